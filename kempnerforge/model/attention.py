@@ -1,0 +1,59 @@
+"""Causal grouped-query self-attention (GQA, Ainslie et al., arXiv:2305.13245) with RoPE.
+
+As in Llama 3 (arXiv:2407.21783): bias-free q/k/v/o projections, rotary embeddings on q and k,
+``n_kv_heads`` key/value heads each shared by ``n_heads / n_kv_heads`` query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.norm import RMSNorm
+from kempnerforge.model.rope import apply_rope
+
+
+class Attention(nn.Module):
+    """Causal multi-head / grouped-query attention via ``F.scaled_dot_product_attention``.
+
+    Head counts are read from the projection outputs at run time (``view(batch, seq, -1, head_dim)``),
+    never stored: after column-wise tensor-parallel sharding of wq/wk/wv each rank holds
+    ``n_heads / tp`` query and ``n_kv_heads / tp`` KV heads and the same code runs unchanged.
+
+    Submodules: ``wq`` (dim -> n_heads*head_dim), ``wk``, ``wv`` (dim -> n_kv_heads*head_dim),
+    ``wo`` (n_heads*head_dim -> dim), and with ``config.qk_norm`` ``q_norm``/``k_norm``: RMSNorm over
+    head_dim applied per head before RoPE (as in Qwen3 / OLMo-style QK-norm).
+
+    Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim)) -> (batch, seq, dim).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hd, n_q, n_kv = config.head_dim, config.n_heads, config.n_kv_heads_resolved
+        self.head_dim = hd
+        self.wq = nn.Linear(config.dim, n_q * hd, bias=False)
+        self.wk = nn.Linear(config.dim, n_kv * hd, bias=False)
+        self.wv = nn.Linear(config.dim, n_kv * hd, bias=False)
+        self.wo = nn.Linear(n_q * hd, config.dim, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=config.norm_eps)
+            self.k_norm = RMSNorm(hd, eps=config.norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over ``x`` (batch, seq, dim) at positions 0..seq-1."""
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # SDPA wants (batch, heads, seq, head_dim); enable_gqa broadcasts KV heads without a copy.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -1,0 +1,133 @@
+"""Llama-3 style dense decoder (Grattafiori et al., arXiv:2407.21783).
+
+Module names follow torchtitan (``tok_embeddings``, ``layers.{i}.attention.wq``, ``feed_forward.w1``,
+``norm``, ``output``): they are the contract for the tensor-parallel plan, FSDP2 wrapping, DCP
+checkpoint FQNs and the HF key mapping (``kempnerforge.checkpoint.hf_llama``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.attention import Attention
+from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
+from kempnerforge.model.mlp import FeedForward
+from kempnerforge.model.norm import RMSNorm
+from kempnerforge.model.rope import rope_tables
+
+# Projections that write into the residual stream; scaled down by 1/sqrt(2 * n_layers) at init so
+# the residual variance does not grow with depth (GPT-2 / torchtitan practice).
+_RESIDUAL_OUT = ("attention.wo", "feed_forward.w2")
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``.
+
+    Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim)) -> (batch, seq, dim).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` (batch, seq, dim)."""
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: embedding, ``n_layers`` blocks, final RMSNorm, output head.
+
+    Build it on the meta device, shard it, ``to_empty``, then call :meth:`tie_weights` and
+    :meth:`init_weights`: the constructor does not produce meaningful weights. RoPE ``rope_cos`` /
+    ``rope_sin`` (max_seq_len, head_dim) fp32 are non-persistent buffers (not checkpointed),
+    recomputed by :meth:`init_weights`.
+
+    Shapes: forward(tokens (batch, seq) int64) -> logits (batch, seq, vocab_size), dtype of the
+    output head's compute (fp32 unless mixed precision).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With ``config.tie_embeddings``, make ``output.weight`` the same Parameter as
+        ``tok_embeddings.weight``. Call after ``to_empty`` (materialization can untie them);
+        a no-op when untied or already tied."""
+        if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab_size) for ``tokens`` (batch, seq) at positions 0..seq-1.
+
+        Raises:
+            ValueError: if seq > config.max_seq_len (the RoPE tables end there).
+        """
+        seq = tokens.shape[1]
+        if seq > self.rope_cos.shape[0]:
+            raise ValueError(
+                f"sequence length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}"
+            )
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize every parameter and the RoPE buffers in place; the model's only init.
+
+        - RoPE tables: recomputed on CPU in fp32 and copied onto the buffers' device (bitwise the
+          same on every device).
+        - RMSNorm weights: ones.
+        - Embedding / Linear weights: N(0, init_std**2) truncated at +-3 std; ``attention.wo`` and
+          ``feed_forward.w2`` use init_std / sqrt(2 * n_layers).
+        Each weight is drawn from its own generator seeded from (seed, canonical FQN) on CPU, so the
+        result is independent of the global RNG and identical for meta or eager builds and for any
+        FSDP2/TP sharding (DTensors receive only their local shard). A tied embedding is initialized
+        once, under the embedding's FQN.
+
+        Raises:
+            RuntimeError: if a parameter is not covered by the rules above (a new module type).
+        """
+        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, "cpu")
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        std = self.config.init_std
+        done: set[int] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                p_std = None
+            elif isinstance(module, nn.Linear | nn.Embedding):
+                residual_out = canonical_fqn(name).endswith(_RESIDUAL_OUT)
+                p_std = std / math.sqrt(2 * self.config.n_layers) if residual_out else std
+            else:
+                continue
+            if id(module.weight) in done:  # tied output head: already initialized as the embedding
+                continue
+            if p_std is None:
+                ones_init_(module.weight)
+            else:
+                trunc_normal_init_(module.weight, f"{name}.weight", seed, p_std)
+            done.add(id(module.weight))
+        missed = [n for n, p in self.named_parameters() if id(p) not in done]
+        if missed:
+            raise RuntimeError(f"Transformer.init_weights has no rule for parameters {missed}")

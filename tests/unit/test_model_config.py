@@ -1,0 +1,68 @@
+"""ModelConfig validation: every rule raises a ValueError naming the field and the allowed values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kempnerforge.config import ModelConfig
+
+
+@pytest.mark.parametrize("field", ["dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"])
+@pytest.mark.parametrize("value", [0, -4])
+def test_required_sizes_must_be_positive(field, value):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}={value} must be a positive integer$"):
+        ModelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["n_kv_heads", "ffn_hidden_dim"])
+def test_optional_sizes_must_be_positive_or_none(field):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}=0 must be a positive integer or None"):
+        ModelConfig(**{field: 0})
+
+
+def test_sizes_must_be_integers():
+    with pytest.raises(ValueError, match=r"ModelConfig\.dim=256\.0 must be a positive integer"):
+        ModelConfig(dim=256.0)
+    with pytest.raises(ValueError, match=r"ModelConfig\.n_layers=True must be a positive integer"):
+        ModelConfig(n_layers=True)
+
+
+@pytest.mark.parametrize("field", ["init_std", "norm_eps", "rope_theta", "ffn_dim_multiplier"])
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_positive_floats(field, value):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}={value} must be a positive number \(> 0\)"):
+        ModelConfig(**{field: value})
+
+
+def test_dim_divisible_by_n_heads():
+    msg = r"ModelConfig\.dim=250 must be divisible by n_heads=8 \(head_dim = dim / n_heads\); got remainder 2"
+    with pytest.raises(ValueError, match=msg):
+        ModelConfig(dim=250, n_heads=8)
+
+
+def test_n_heads_divisible_by_n_kv_heads():
+    msg = r"ModelConfig\.n_kv_heads=3 must divide n_heads=8 .*allowed: \[1, 2, 4, 8\]"
+    with pytest.raises(ValueError, match=msg):
+        ModelConfig(n_heads=8, n_kv_heads=3)
+    with pytest.raises(ValueError, match=r"n_kv_heads=16 must divide n_heads=8"):
+        ModelConfig(n_heads=8, n_kv_heads=16)
+
+
+def test_head_dim_must_be_even():
+    with pytest.raises(ValueError, match=r"head_dim = dim / n_heads = 72 / 8 = 9 must be even"):
+        ModelConfig(dim=72, n_heads=8)
+
+
+def test_defaults_are_valid_and_round_trip():
+    cfg = ModelConfig()
+    assert cfg.n_kv_heads is None and cfg.n_kv_heads_resolved == cfg.n_heads == 8
+    assert cfg.head_dim == 32
+    # None stays None: dataclasses.asdict / replace reproduce the same config.
+    assert ModelConfig(**dataclasses.asdict(cfg)) == cfg
+
+
+def test_flops_per_token_rejects_bad_seq_len():
+    with pytest.raises(ValueError, match="seq_len must be a positive integer"):
+        ModelConfig().flops_per_token(0)
