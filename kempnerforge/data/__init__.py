@@ -1,1 +1,35 @@
+"""Token data pipeline: local text -> memmap token shards -> LightningDataModule.
 
+- :func:`prepare_data` / ``kforge prepare-data``: tokenize text files or local HF datasets into
+  ``shard_NNNNN.npy`` + ``metadata.json``.
+- :class:`MemmapTokenDataset`: ``(seq_len + 1)``-token windows over the shards.
+- :class:`TokenDataModule`: train/val split, resumable data-parallel sampling.
+
+Names are imported on first use, so ``kforge prepare-data`` does not pay for importing Lightning.
+"""
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "MemmapTokenDataset": "memmap",
+    "TokenDataError": "memmap",
+    "read_metadata": "memmap",
+    "ResumableDistributedSampler": "datamodule",
+    "TokenDataModule": "datamodule",
+    "load_tokenizer": "prepare",
+    "prepare_data": "prepare",
+    "prepare_main": "prepare",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

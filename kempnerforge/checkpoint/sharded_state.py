@@ -1,0 +1,44 @@
+"""Load sharded model and optimizer state from a DCP checkpoint into live (FSDP2 / DTensor) objects.
+
+Uses ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
+``set_optimizer_state_dict``), so a checkpoint written under one mesh loads under another: DCP
+reads each rank's slices from whatever shards hold them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
+
+
+def load_model_and_optimizers(
+    model: nn.Module, optimizers: list[Optimizer], path: Path, io: DCPCheckpointIO, strict: bool = True
+) -> None:
+    """Fill ``model`` (and ``optimizers``, if any) from checkpoint ``path`` in place; every rank calls it.
+
+    Keys are those Lightning saved: ``state_dict`` for the module and ``optimizer_{i}`` per optimizer.
+
+    Raises:
+        RuntimeError: from DCP when a key is missing or a shape disagrees (``strict``), naming the key.
+    """
+    options = StateDictOptions(strict=strict)
+    model_state = {"state_dict": get_model_state_dict(model)}
+    io.load_sharded(model_state, path)
+    set_model_state_dict(model, model_state["state_dict"], options=options)
+    for i, optimizer in enumerate(optimizers):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
+        key = f"optimizer_{i}"
+        optim_state = {key: get_optimizer_state_dict(model, optimizer)}
+        io.load_sharded(optim_state, path)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key], options=options)

@@ -1,0 +1,201 @@
+"""LightningDataModule over memmap token shards, with resumable data-parallel sampling."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from kempnerforge.data.memmap import MemmapTokenDataset
+from kempnerforge.data.prepare import METADATA_FILE, is_prepare_artifact
+from kempnerforge.data.prepare import prepare_data as _prepare_shards
+
+
+class ResumableDistributedSampler(StatefulDistributedSampler):
+    """``DistributedSampler`` whose ``state_dict`` holds the epoch as well as the position.
+
+    Rank ``r`` of ``R`` takes indices ``perm[r::R]`` of one seeded permutation per epoch
+    (``torch.utils.data.DistributedSampler``), so a step's global batch is the same set of windows
+    at any data-parallel size with the same global batch size.
+
+    Why the epoch: Lightning creates the train iterator when it restores a checkpoint, *before*
+    it calls ``set_epoch``, and ``DistributedSampler`` draws its permutation when iterated; with
+    the epoch restored first, a mid-epoch resume continues the right permutation. A state saved
+    at the end of epoch ``e`` resumes at the start of epoch ``e + 1``.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"yielded": indices handed out this epoch, "epoch": int}``."""
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores epoch and position; takes effect at the next ``iter()``."""
+        super().load_state_dict(state_dict)
+        self.epoch = int(state_dict.get("epoch", self.epoch))
+        if self.next_yielded is not None and self.next_yielded >= self.num_samples:
+            # The saved epoch was finished: resume at the start of the next one. Bumping the epoch
+            # here matters with workers, which draw indices as soon as the iterator exists.
+            self.next_yielded = None
+            self.epoch += 1
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Train/val data from memmap token shards (see :class:`MemmapTokenDataset`).
+
+    Windows ``[0, n_train)`` train and the last ``n_val = ceil(val_fraction * n)`` windows validate.
+    Each data-parallel rank gets ``micro_batch_size`` windows per step from a
+    :class:`ResumableDistributedSampler` (shuffled, seeded, ``drop_last``), so one global batch is
+    ``micro_batch_size * dp`` windows of ``seq_len`` tokens. The rank and size come from the
+    trainer's ``strategy.distributed_sampler_kwargs`` (the strategy gives the data-parallel
+    sub-mesh there: tensor/context-parallel peers get identical batches). Loaders are
+    ``StatefulDataLoader``s, so checkpoints carry the position inside an epoch.
+
+    Args:
+        data_dir: folder with ``metadata.json`` and ``shard_*.npy`` (``kforge prepare-data``).
+        seq_len: tokens per sample (the model's context length for training).
+        micro_batch_size: samples per step on each data-parallel rank.
+        val_fraction: share of windows held out for validation, in [0, 1); 0 disables
+            validation. At least one window goes to each split when > 0.
+        num_workers: DataLoader worker processes per rank (0 loads in the main process).
+        seed: seed of the per-epoch shuffling (epoch ``e`` uses ``seed + e``).
+        vocab_size: the model's vocabulary size; token ids and the tokenizer's ``vocab_size`` are
+            checked against it. None checks against the tokenizer's own ``vocab_size``.
+        source: text to tokenize into ``data_dir`` when it holds no ``metadata.json`` yet (any
+            source :func:`prepare_data` accepts); needs ``tokenizer``.
+        tokenizer: local tokenizer directory used with ``source``.
+        text_field: column holding the text for json/parquet/save_to_disk sources.
+
+    Raises:
+        ValueError: a bad argument (at construction) or data that cannot fill one global batch
+            (in :meth:`setup`, before the model is built).
+        FileNotFoundError / TokenDataError: from :class:`MemmapTokenDataset`, in :meth:`setup`.
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        seq_len: int = 256,
+        micro_batch_size: int = 8,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+        seed: int = 0,
+        vocab_size: int | None = None,
+        source: str | None = None,
+        tokenizer: str | None = None,
+        text_field: str = "text",
+    ) -> None:
+        super().__init__()
+        _check_positive(seq_len=seq_len, micro_batch_size=micro_batch_size)
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if vocab_size is not None:
+            _check_positive(vocab_size=vocab_size)
+        if (source is None) != (tokenizer is None):
+            raise ValueError("source and tokenizer go together: give both (to prepare data_dir) or neither")
+        self.save_hyperparameters()
+        self.data_dir, self.seq_len, self.micro_batch_size = data_dir, seq_len, micro_batch_size
+        self.val_fraction, self.num_workers, self.seed, self.vocab_size = (
+            val_fraction,
+            num_workers,
+            seed,
+            vocab_size,
+        )
+        self.source, self.tokenizer, self.text_field = source, tokenizer, text_field
+        # Tokenize once on global rank 0 (clusters share data_dir); other ranks wait at the barrier.
+        self.prepare_data_per_node = False
+        self.train_dataset: MemmapTokenDataset | None = None
+        self.val_dataset: MemmapTokenDataset | None = None
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Tokens in one micro-batch on one rank: ``micro_batch_size * seq_len``."""
+        return self.micro_batch_size * self.seq_len
+
+    def prepare_data(self) -> None:
+        """Tokenizes ``source`` into ``data_dir`` if it has no ``metadata.json`` (rank 0 only).
+
+        Leftover shards of an interrupted preparation are replaced; any other file in
+        ``data_dir`` makes :func:`prepare_data` refuse rather than mix data.
+        """
+        root = Path(self.data_dir)
+        if (root / METADATA_FILE).is_file() or self.source is None:
+            return
+        leftovers_only = root.is_dir() and all(is_prepare_artifact(p.name) for p in root.iterdir())
+        _prepare_shards(
+            self.source, self.tokenizer, self.data_dir, text_field=self.text_field, overwrite=leftovers_only
+        )
+
+    def dp_rank_and_size(self) -> tuple[int, int]:
+        """``(rank, num_replicas)`` of this process on the data-parallel axis; ``(0, 1)`` alone."""
+        strategy = getattr(self.trainer, "strategy", None)
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
+        if not kwargs or kwargs.get("num_replicas", 1) <= 1:
+            return 0, 1
+        return int(kwargs["rank"]), int(kwargs["num_replicas"])
+
+    def setup(self, stage: str | None = None) -> None:
+        """Opens the shards and splits train/val windows; idempotent.
+
+        Raises:
+            ValueError: fewer windows than one global batch for training, or than 2 in all.
+        """
+        if self.train_dataset is not None:
+            return
+        data = MemmapTokenDataset(self.data_dir, self.seq_len, vocab_size=self.vocab_size)
+        n = len(data)
+        n_val = math.ceil(n * self.val_fraction)
+        if n - n_val < 1:
+            raise ValueError(
+                f"{self.data_dir!r} has {n} windows of seq_len + 1 = {self.seq_len + 1} tokens: too few for "
+                f"val_fraction={self.val_fraction} (one window each for train and validation); lower seq_len"
+            )
+        _, dp = self.dp_rank_and_size()
+        needed = self.micro_batch_size * dp
+        if n - n_val < needed:
+            raise ValueError(
+                f"train split of {self.data_dir!r} has {n - n_val} windows (seq_len={self.seq_len}), fewer than one "
+                f"global batch of micro_batch_size * dp = {self.micro_batch_size} * {dp} = {needed}; lower "
+                "seq_len, micro_batch_size or val_fraction, or add data"
+            )
+        self.train_dataset = data.windows(0, n - n_val)
+        self.val_dataset = data.windows(n - n_val, n) if n_val else None
+
+    def _loader(self, dataset: MemmapTokenDataset, train: bool) -> StatefulDataLoader:
+        rank, dp = self.dp_rank_and_size()
+        # drop_last in the sampler keeps every rank at the same number of steps; validation pads
+        # instead (a few windows counted twice) so no held-out window is skipped.
+        sampler = ResumableDistributedSampler(
+            dataset, num_replicas=dp, rank=rank, shuffle=train, seed=self.seed, drop_last=train
+        )
+        return StatefulDataLoader(
+            dataset,
+            batch_size=self.micro_batch_size,
+            sampler=sampler,
+            drop_last=train,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        """Shuffled, ``drop_last`` loader of ``{"input_ids", "labels"}``: (micro_batch_size, seq_len)."""
+        self.setup("fit")
+        return self._loader(self.train_dataset, train=True)
+
+    def val_dataloader(self) -> StatefulDataLoader | list:
+        """In-order loader over the held-out windows; ``[]`` (no validation) when val_fraction is 0."""
+        self.setup("validate")
+        return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

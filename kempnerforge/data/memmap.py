@@ -1,0 +1,222 @@
+"""Map-style dataset over memory-mapped token shards written by :func:`prepare_data`.
+
+nanoGPT / Megatron-style memmap token shards: the shards are mapped with
+``np.load(mmap_mode="r")`` (nothing is read until a window is indexed), and each shard is cut into
+non-overlapping windows of ``seq_len + 1`` tokens with stride ``seq_len``: a window's first
+``seq_len`` tokens are the inputs, its last ``seq_len`` the next-token labels. Windows never cross
+a shard boundary, so each shard's last ``(num_tokens - 1) % seq_len`` tokens are unused.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from kempnerforge.data.prepare import METADATA_FILE
+
+ALLOWED_DTYPES = ("uint16", "uint32")
+
+
+class TokenDataError(ValueError):
+    """A token-shard folder is inconsistent with its metadata or with the model/sequence length."""
+
+
+def read_metadata(data_dir: str | Path) -> dict[str, Any]:
+    """Reads and checks ``data_dir/metadata.json``.
+
+    Raises:
+        FileNotFoundError: ``data_dir`` or its ``metadata.json`` is missing.
+        TokenDataError: unreadable JSON, a missing key, an unsupported dtype, or no shards.
+    """
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"data_dir {str(root)!r} does not exist; run `kforge prepare-data` first")
+    meta_path = root / METADATA_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(
+            f"{str(meta_path)!r} not found: data_dir is not a prepared token folder (or its preparation "
+            "did not finish); run `kforge prepare-data --output_dir` on it"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise TokenDataError(f"{str(meta_path)!r} is not valid JSON: {e}") from e
+    for key in ("shards", "dtype", "vocab_size"):
+        if key not in meta:
+            raise TokenDataError(f"{str(meta_path)!r} has no {key!r} field")
+    if meta["dtype"] not in ALLOWED_DTYPES:
+        raise TokenDataError(f"{str(meta_path)!r}: dtype={meta['dtype']!r} is not one of {ALLOWED_DTYPES}")
+    if not meta["shards"]:
+        raise TokenDataError(f"{str(meta_path)!r} lists no shards (empty 'shards')")
+    return meta
+
+
+def open_shard(path: Path, expected_dtype: str) -> np.ndarray:
+    """Memory-maps one ``.npy`` shard and checks it is 1-D with ``expected_dtype``.
+
+    Raises:
+        FileNotFoundError: the shard file is missing.
+        TokenDataError: the file is not a loadable ``.npy`` (truncated, corrupt) or has the
+            wrong shape/dtype.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"shard {str(path)!r} is listed in {METADATA_FILE} but missing")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as e:  # numpy raises ValueError/OSError/EOFError depending on where it is cut
+        raise TokenDataError(f"shard {str(path)!r} is corrupt or truncated: np.load failed ({e})") from e
+    if arr.ndim != 1:
+        raise TokenDataError(f"shard {str(path)!r} has shape {arr.shape}; expected 1-D token ids")
+    if arr.dtype.name != expected_dtype:
+        raise TokenDataError(
+            f"shard {str(path)!r} has dtype {arr.dtype.name} but {METADATA_FILE} says dtype={expected_dtype!r}"
+        )
+    return arr
+
+
+class MemmapTokenDataset(Dataset):
+    """Fixed-length next-token windows over memory-mapped token shards.
+
+    Item ``i`` is ``{"input_ids": LongTensor (seq_len,), "labels": LongTensor (seq_len,)}`` with
+    ``labels[t] == input_ids[t + 1]`` inside the window (window = tokens ``[k*seq_len,
+    k*seq_len + seq_len]`` of one shard). Windows are numbered shard by shard in metadata order.
+    Pickles without the mapped arrays (reopened lazily), so DataLoader workers stay cheap.
+
+    Args:
+        data_dir: folder written by :func:`kempnerforge.data.prepare.prepare_data`.
+        seq_len: tokens per sample (model context length), > 0.
+        vocab_size: the model's vocabulary size (may be padded above the tokenizer's); None
+            checks ids against the tokenizer's ``vocab_size`` from ``metadata.json``.
+        check_token_ids: scan each shard's maximum id once at construction (one pass over the
+            data; disable for very large corpora that were already checked).
+
+    Raises:
+        ValueError: ``seq_len <= 0``.
+        FileNotFoundError: missing ``data_dir``, ``metadata.json`` or a listed shard.
+        TokenDataError: corrupt shard, dtype mismatch, token count mismatch, metadata
+            ``vocab_size`` above the model's ``vocab_size``, a token id ``>= vocab_size``, a shard
+            (other than the last) shorter than ``seq_len + 1`` tokens, or no window at all.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        seq_len: int,
+        vocab_size: int | None = None,
+        check_token_ids: bool = True,
+    ) -> None:
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len}")
+        self.data_dir, self.seq_len = Path(data_dir), int(seq_len)
+        self.metadata = read_metadata(self.data_dir)
+        self.vocab_size = self._check_vocab(vocab_size)
+        arrays = [self._open(entry, check_token_ids) for entry in self.metadata["shards"]]
+        counts = self._window_counts(arrays)
+        keep = [i for i, c in enumerate(counts) if c > 0]
+        self._files = [self.data_dir / self.metadata["shards"][i]["file"] for i in keep]
+        self._arrays: list[np.ndarray] | None = [arrays[i] for i in keep]
+        self._offsets = np.concatenate([[0], np.cumsum([counts[i] for i in keep])]).astype(np.int64).tolist()
+        self._start, self._stop = 0, self._offsets[-1]
+
+    def _check_vocab(self, vocab_size: int | None) -> int:
+        data_vocab = int(self.metadata["vocab_size"])
+        if vocab_size is None:
+            return data_vocab
+        if data_vocab > vocab_size:
+            raise TokenDataError(
+                f"{METADATA_FILE} of {str(self.data_dir)!r} has vocab_size={data_vocab} (tokenizer "
+                f"{self.metadata.get('tokenizer')!r}) but the model's vocab_size={vocab_size}; the model's "
+                f"vocab_size must be >= {data_vocab}"
+            )
+        return int(vocab_size)
+
+    def _open(self, entry: dict[str, Any], check_token_ids: bool) -> np.ndarray:
+        path = self.data_dir / entry["file"]
+        arr = open_shard(path, self.metadata["dtype"])
+        if "num_tokens" in entry and len(arr) != entry["num_tokens"]:
+            raise TokenDataError(
+                f"shard {str(path)!r} holds {len(arr)} tokens but {METADATA_FILE} says {entry['num_tokens']}"
+            )
+        if check_token_ids and len(arr) and int(arr.max()) >= self.vocab_size:
+            raise TokenDataError(
+                f"shard {str(path)!r} holds token id {int(arr.max())} >= vocab_size={self.vocab_size}; "
+                "the data was tokenized with a larger vocabulary than the model's"
+            )
+        return arr
+
+    def _window_counts(self, arrays: list[np.ndarray]) -> list[int]:
+        """Windows per shard; a short shard is an error, except the last one of several.
+
+        A short last shard is what any corpus whose size is not a multiple of ``shard_size``
+        leaves behind; dropping it loses fewer than ``seq_len + 1`` tokens, no more than the
+        unused tail of every other shard.
+        """
+        window = self.seq_len + 1
+        for i, arr in enumerate(arrays):
+            if len(arr) >= window:
+                continue
+            name = self.metadata["shards"][i]["file"]
+            if i == len(arrays) - 1 and i > 0:
+                warnings.warn(
+                    f"last shard {name!r} of {str(self.data_dir)!r} has {len(arr)} tokens, fewer than "
+                    f"seq_len + 1 = {window}: skipped",
+                    stacklevel=3,
+                )
+                continue
+            raise TokenDataError(
+                f"shard {name!r} of {str(self.data_dir)!r} has {len(arr)} tokens, fewer than one window of "
+                f"seq_len + 1 = {window}; lower seq_len or prepare the data with a larger shard_size"
+            )
+        return [max(0, (len(a) - 1) // self.seq_len) for a in arrays]
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @property
+    def num_windows(self) -> int:
+        """Number of windows in this (sub)range; same as ``len(self)``."""
+        return len(self)
+
+    def windows(self, start: int, stop: int) -> MemmapTokenDataset:
+        """A view of windows ``[start, stop)`` of this dataset, sharing its mapped shards (O(1)).
+
+        Raises:
+            IndexError: unless ``0 <= start < stop <= len(self)``.
+        """
+        if not 0 <= start < stop <= len(self):
+            raise IndexError(f"windows({start}, {stop}) needs 0 <= start < stop <= {len(self)}")
+        view = copy.copy(self)  # goes through __getstate__, which drops the maps: share ours
+        view._arrays = self._arrays
+        view._start, view._stop = self._start + start, self._start + stop
+        return view
+
+    def _shards(self) -> list[np.ndarray]:
+        if self._arrays is None:  # after unpickling in a DataLoader worker
+            self._arrays = [open_shard(f, self.metadata["dtype"]) for f in self._files]
+        return self._arrays
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"window {index} out of range for {n} windows")
+        g = self._start + index
+        shard = bisect.bisect_right(self._offsets, g) - 1
+        begin = (g - self._offsets[shard]) * self.seq_len
+        window = torch.from_numpy(self._shards()[shard][begin : begin + self.seq_len + 1].astype(np.int64))
+        # Separate storages: an in-place edit of the inputs must not change the labels.
+        return {"input_ids": window[:-1], "labels": window[1:].clone()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_arrays"] = None  # a pickled memmap would copy the whole shard
+        return state

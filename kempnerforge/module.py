@@ -1,0 +1,178 @@
+"""LightningModules: ``CausalLM`` (decoder LLM pretraining).
+
+The module owns the loss, the optimizer and the metrics; parallelism, materialization and
+checkpoints belong to the strategy (``kempnerforge.strategies.KempnerStrategy``). It also runs under
+any stock Lightning strategy (single device, DDP), where ``configure_model`` initializes weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torchmetrics.aggregation import MeanMetric
+from torchmetrics.text import Perplexity
+
+from kempnerforge.config import ModelConfig
+from kempnerforge.model import Transformer
+from kempnerforge.parallel.grad_clip import clip_grad_norm_
+from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
+from kempnerforge.training.loss import IGNORE_INDEX, global_token_cross_entropy
+from kempnerforge.training.lr import SchedulerConfig, build_scheduler
+from kempnerforge.training.optim import OptimizerConfig, build_adamw
+
+
+class CausalLM(LightningModule):
+    """Next-token-prediction training of a Llama-style decoder.
+
+    Batches are dicts with ``input_ids`` and ``labels``, both ``LongTensor (batch, seq)``; labels equal
+    to -100 are ignored. The loss is the mean cross-entropy over every target token of the global
+    batch (all data-parallel ranks), so the result does not depend on how the batch is split.
+
+    Args:
+        config: model architecture (``--model.config.*``).
+        optimizer: AdamW settings (``--model.optimizer.*``).
+        scheduler: warmup + decay LR schedule (``--model.scheduler.*``).
+        grad_clip: max global L2 norm of the gradients (0 disables clipping; the norm is still logged).
+        init_seed: seed of the weight init; the same seed gives the same weights on every mesh.
+
+    Raises:
+        ValueError: ``grad_clip`` < 0 (configs validate their own fields).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        grad_clip: float = 1.0,
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if grad_clip < 0:
+            raise ValueError(f"grad_clip={grad_clip} must be >= 0 (0 disables clipping).")
+        self.config = config or ModelConfig()
+        self.optimizer_config = optimizer or OptimizerConfig()
+        self.scheduler_config = scheduler or SchedulerConfig()
+        self.grad_clip = grad_clip
+        self.init_seed = init_seed
+        # Plain dicts, so the checkpoint's metadata loads with weights_only=True.
+        self.save_hyperparameters(
+            {
+                "config": asdict(self.config),
+                "optimizer": asdict(self.optimizer_config),
+                "scheduler": asdict(self.scheduler_config),
+                "grad_clip": grad_clip,
+                "init_seed": init_seed,
+            }
+        )
+        self.model: Transformer | None = None
+        self.val_loss = MeanMetric()
+        self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+        self.tokens_seen = 0
+        self._step_start: float | None = None
+
+    # -- model ----------------------------------------------------------------------------------
+
+    def validate_parallel(self, dims: ParallelDims) -> None:
+        """Model-specific mesh rules, called by the strategy before anything is allocated.
+
+        Raises:
+            MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``.
+        """
+        cfg = self.config
+        if cfg.n_heads % dims.tp:
+            raise MeshConfigError(f"tp={dims.tp} must divide n_heads={cfg.n_heads}.")
+        if cfg.n_kv_heads_resolved % dims.tp:
+            raise MeshConfigError(f"tp={dims.tp} must divide n_kv_heads={cfg.n_kv_heads_resolved}.")
+
+    def configure_model(self) -> None:
+        """Build the model once (on meta under KempnerStrategy); idempotent for fit-then-validate."""
+        if self.model is not None:
+            return
+        self.model = Transformer(self.config)
+        if not any(p.is_meta for p in self.model.parameters()):
+            # A stock strategy built real tensors: initialize here (KempnerStrategy does it after sharding).
+            with torch.no_grad():
+                self.model.init_weights(seed=self.init_seed)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab_size)`` for ``input_ids`` ``(batch, seq)``."""
+        return self.model(input_ids)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _dp_group(self) -> dist.ProcessGroup | None:
+        mesh = getattr(self.trainer.strategy, "parallel_mesh", None) if self._trainer is not None else None
+        if mesh is not None:
+            return mesh.dp.get_group()
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """One micro-batch: global-token-normalized cross-entropy; logs loss, lr, tokens seen, tokens/s."""
+        logits = self.model(batch["input_ids"])
+        loss, global_loss, n_global = global_token_cross_entropy(logits, batch["labels"], self._dp_group())
+        tokens = batch["input_ids"].numel() * self._dp_size()
+        self.tokens_seen += tokens
+        self.log("train/loss", global_loss, prog_bar=True, rank_zero_only=True)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
+        self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
+        self._log_throughput(tokens)
+        return loss
+
+    def _dp_size(self) -> int:
+        group = self._dp_group()
+        return dist.get_world_size(group) if group is not None else 1
+
+    def _log_throughput(self, tokens: int) -> None:
+        now = time.perf_counter()
+        if self._step_start is not None:
+            self.log("train/tokens_per_s", tokens / (now - self._step_start), prog_bar=True, rank_zero_only=True)
+        self._step_start = now
+
+    def on_train_epoch_start(self) -> None:
+        """Reset the throughput clock so data-loader start-up is not counted as step time."""
+        self._step_start = None
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Accumulate token-weighted loss and perplexity (synced across ranks by torchmetrics)."""
+        logits = self.model(batch["input_ids"]).float()
+        labels = batch["labels"]
+        n = (labels != IGNORE_INDEX).sum()
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        self.val_loss.update(loss / n.clamp(min=1), weight=n)
+        self.val_ppl.update(logits, labels)
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/ppl", self.val_ppl)
+
+    # -- optimization ---------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (no decay on norms, biases, embeddings) with a per-step warmup + decay schedule."""
+        optimizer = build_adamw(self.model, self.optimizer_config)
+        total = self.scheduler_config.total_steps or self.trainer.max_steps
+        if total is None or total < 1:
+            total = max(1, self.trainer.estimated_stepping_batches)
+        scheduler = build_scheduler(optimizer, self.scheduler_config, int(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clip to ``grad_clip`` by the true global norm (DTensor-aware) and log that norm."""
+        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.log("train/grad_norm", norm, rank_zero_only=True)
+
+    # -- checkpoint extras ----------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the token counter in the checkpoint so ``tokens_seen`` continues after resume."""
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore ``tokens_seen``."""
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))

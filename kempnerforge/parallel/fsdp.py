@@ -1,0 +1,64 @@
+"""FSDP2 (``fully_shard``) per transformer block, then the root: the last step of the chain.
+
+Follows torchtitan v0.2 ``apply_fsdp`` and the FSDP2 design (PyTorch RFC #114299): one unit per
+block so all-gathers overlap the previous block's compute; the root unit holds the embedding,
+final norm and output head, which keeps tied embedding and head in one unit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from kempnerforge.parallel.order import record_step
+
+#: dtype names accepted by the strategy's ``mixed_precision_param`` / ``mixed_precision_reduce``.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, field: str) -> torch.dtype:
+    """Map a dtype name to ``torch.dtype``.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`DTYPES` (the message names ``field``).
+    """
+    if name not in DTYPES:
+        raise ValueError(f"{field}={name!r} is not allowed; choose one of {sorted(DTYPES)}.")
+    return DTYPES[name]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Shard ``model`` with FSDP2 in place: each block of ``model.layers``, then the root.
+
+    Args:
+        model: a module with ``layers`` (``nn.ModuleDict`` or ``nn.ModuleList`` of blocks); may be on meta.
+        mesh: 1-D ``dp_shard`` mesh, or 2-D ``(dp_replicate, dp_shard)`` for HSDP.
+        param_dtype: compute dtype of unsharded parameters (bf16 for mixed precision).
+        reduce_dtype: dtype of gradient reduce-scatter / all-reduce (keep fp32).
+        reshard_after_forward: free unsharded parameters after forward (ZeRO-3); False keeps them
+            until backward (ZeRO-2-like, more memory, one all-gather fewer).
+
+    Raises:
+        TransformOrderError: FSDP2 already applied (see :mod:`kempnerforge.parallel.order`).
+    """
+    record_step(model, "fsdp")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are all-gathered again right away by the root's backward, so keep them.
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def is_fsdp_applied(model: nn.Module) -> bool:
+    """True when ``model`` is already an FSDP2 module (so ``configure_model`` re-runs do not re-wrap)."""
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,58 @@
+"""Gradient-norm clipping that returns the true global norm for DTensor parameters on several meshes.
+
+``torch.nn.utils.clip_grad_norm_`` cannot mix DTensors from different meshes (dense FSDP/TP params
+vs expert params, pipeline stages). As in torchtitan's ``dist_utils.clip_grad_norm_``, norms are
+computed per mesh, turned into full (replicated) values, and combined as an L2 sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _group_by_mesh(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    return groups
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """Global L2 norm of all gradients (a plain scalar tensor, identical on every rank).
+
+    Args:
+        parameters: parameters whose ``.grad`` may be plain tensors or DTensors on any meshes.
+        norm_type: 2.0 only (the norms of separate meshes combine as an L2 sum).
+
+    Raises:
+        ValueError: ``norm_type`` other than 2.
+    """
+    if norm_type != 2.0:
+        raise ValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported.")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    squares = []
+    for group in _group_by_mesh(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # reduces the Partial / Shard placements across the mesh
+        squares.append(norm.float() ** 2)
+    return torch.stack(squares).sum().sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm`` (0: no clipping).
+
+    Returns:
+        The global norm before clipping (scalar tensor).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    norm = total_grad_norm(params)
+    if max_norm > 0 and params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].grad.device))
+    return norm

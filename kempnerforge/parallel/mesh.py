@@ -1,0 +1,158 @@
+"""One world DeviceMesh with named parallel axes, its validation, and the sub-meshes consumers ask for.
+
+Follows torchtitan v0.2 (``ParallelDims``): the world is factored as
+``pp x dp_replicate x dp_shard x cp x tp`` (outermost to innermost, so TP ranks are neighbours
+and share the fastest links); ``dp_shard=-1`` takes whatever the other degrees leave.
+Expert parallelism (``ep``) borrows ranks from ``dp_shard x cp`` as in torchtitan and is therefore
+not a separate factor of the world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger(__name__)
+
+#: Mesh axes from outermost to innermost; every axis exists in the mesh, degree-1 axes included.
+MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class MeshConfigError(ValueError):
+    """A parallel degree that cannot be laid out on this world or this model."""
+
+
+def validate_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int, ep: int) -> None:
+    """Check each degree on its own (no world size needed), so bad input fails before any process starts.
+
+    Raises:
+        MeshConfigError: a degree < 1 (``dp_shard`` may be -1), or an axis whose transform is not
+            implemented yet (an axis that exists must run; it is never a silent no-op).
+    """
+    for name, value in (("dp_replicate", dp_replicate), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if not isinstance(value, int) or value < 1:
+            raise MeshConfigError(f"{name}={value!r} is not allowed: parallel degrees are integers >= 1.")
+    if not isinstance(dp_shard, int) or (dp_shard < 1 and dp_shard != -1):
+        raise MeshConfigError(
+            f"dp_shard={dp_shard!r} is not allowed: use an integer >= 1, or -1 to infer it from the world size."
+        )
+    if pp > 1:
+        raise MeshConfigError(f"pp={pp} is not supported yet: pipeline parallelism is not implemented; use pp=1.")
+    if cp > 1:
+        raise MeshConfigError(
+            f"cp={cp} is not supported: context parallelism is not implemented (and does not run on CPU); use cp=1."
+        )
+    if ep > 1:
+        raise MeshConfigError(f"ep={ep} is not supported yet: expert parallelism needs MoE layers; use ep=1.")
+    if tp > 1:
+        raise MeshConfigError(f"tp={tp} is not supported yet: tensor parallelism is not implemented; use tp=1.")
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of one run, validated against the world size before anything is allocated.
+
+    Attributes:
+        dp_replicate: data-parallel replicas (HSDP's replicate dimension; plain DDP-style copies).
+        dp_shard: FSDP2 shard degree; ``-1`` infers ``world_size / (pp * dp_replicate * cp * tp)``.
+        tp: tensor-parallel degree (Megatron-LM, arXiv:1909.08053).
+        pp: pipeline-parallel degree.
+        cp: context-parallel degree.
+        ep: expert-parallel degree (borrows ranks from ``dp_shard * cp``).
+        world_size: number of ranks.
+
+    Raises:
+        MeshConfigError: a degree < 1 (other than ``dp_shard=-1``), degrees whose product is not
+            the world size (the message shows the arithmetic), or an axis this build cannot run yet.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        validate_degrees(self.dp_replicate, self.dp_shard, self.tp, self.pp, self.cp, self.ep)
+        if self.world_size < 1:
+            raise MeshConfigError(f"world_size={self.world_size} must be >= 1.")
+        self._resolve()
+
+    def _resolve(self) -> None:
+        others = self.pp * self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise MeshConfigError(
+                    f"dp_shard=-1 cannot be inferred: world_size={self.world_size} is not divisible by "
+                    f"pp*dp_replicate*cp*tp = {self.pp}*{self.dp_replicate}*{self.cp}*{self.tp} = {others}."
+                )
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise MeshConfigError(
+                f"Parallel degrees do not multiply to the world size: pp*dp_replicate*dp_shard*cp*tp = "
+                f"{self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp} = {product}, "
+                f"but world_size={self.world_size}. Set dp_shard=-1 to infer it."
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: number of distinct data shards (``dp_replicate * dp_shard``)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in :data:`MESH_AXES` order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    def build_mesh(self, device_type: str) -> ParallelMesh:
+        """Create the world DeviceMesh (process group must be initialized) and its sub-meshes."""
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        return ParallelMesh(self, mesh)
+
+
+class ParallelMesh:
+    """The world mesh plus the derived sub-meshes every consumer asks for instead of recomputing.
+
+    Args:
+        dims: the validated degrees.
+        world: the world DeviceMesh with axes :data:`MESH_AXES`.
+    """
+
+    def __init__(self, dims: ParallelDims, world: DeviceMesh) -> None:
+        self.dims = dims
+        self.world = world
+
+    @cached_property
+    def dp(self) -> DeviceMesh:
+        """Data-loading / loss mesh (``dp_replicate x dp_shard`` flattened): sampler rank and size."""
+        return self.world["dp_replicate", "dp_shard"]._flatten("dp")
+
+    @cached_property
+    def fsdp(self) -> DeviceMesh:
+        """Dense-parameter mesh for FSDP2: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+        if self.dims.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard"]
+        return self.world["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data shards."""
+        return self.dp.get_local_rank()
+
+    def coordinates(self) -> dict[str, int]:
+        """This rank's coordinate on every axis, e.g. ``{"pp": 0, "dp_replicate": 0, "dp_shard": 1, ...}``."""
+        coords = self.world.get_coordinate() or [0] * len(MESH_AXES)
+        return dict(zip(MESH_AXES, coords, strict=True))
+
+    def describe(self) -> str:
+        """One line for the startup log: axis degrees and this rank's coordinates."""
+        degrees = " x ".join(f"{n}={d}" for n, d in zip(MESH_AXES, self.dims.shape, strict=True))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return f"DeviceMesh [{degrees}] rank {rank} at {self.coordinates()}"

@@ -1,0 +1,54 @@
+"""Shared fixtures: real data paths and a small token shard set prepared once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = REPO / "data" / "tinyshakespeare" / "input.txt"
+GPT2_TOKENIZER = REPO / "data" / "tokenizers" / "gpt2"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu``-marked tests on machines without CUDA (never delete them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shakespeare_text() -> Path:
+    """The bundled tiny-shakespeare text (1.1 MB)."""
+    return SHAKESPEARE
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer_dir() -> Path:
+    """The bundled GPT-2 tokenizer directory (vocab 50257, EOS 50256)."""
+    return GPT2_TOKENIZER
+
+
+@pytest.fixture(scope="session")
+def shakespeare_tokens(tmp_path_factory) -> Path:
+    """The first ~100 KB of tiny-shakespeare tokenized with GPT-2 into memmap shards (~25k tokens)."""
+    from kempnerforge.data.prepare import prepare_data
+
+    root = tmp_path_factory.mktemp("tokens")
+    src = root / "shakespeare_head.txt"
+    src.write_text(SHAKESPEARE.read_text()[:100_000])
+    out = root / "shakespeare"
+    prepare_data(source=str(src), tokenizer=str(GPT2_TOKENIZER), output_dir=str(out))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_test_process(monkeypatch):
+    """Distributed launches share 2 cores: keep each rank single-threaded (see NOTES-platform.md)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

@@ -1,0 +1,97 @@
+"""A tiny training run launched by the distributed tests under ``torchrun`` (one or several processes).
+
+Writes the per-step global losses and gradient norms (rank 0) as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from kempnerforge.config import ModelConfig
+from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.module import CausalLM
+from kempnerforge.strategies import KempnerStrategy
+from kempnerforge.training.lr import SchedulerConfig
+from kempnerforge.training.optim import OptimizerConfig
+
+
+class Recorder(Callback):
+    """Collects the logged global loss and gradient norm of every optimizer step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.steps: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        m = trainer.callback_metrics
+        self.losses.append(float(m["train/loss"]))
+        self.grad_norms.append(float(m["train/grad_norm"]))
+        self.steps.append(trainer.global_step)
+
+
+def tiny_config(vocab_size: int = 50257, tie: bool = False) -> ModelConfig:
+    """The model every distributed test trains: dim 64, 2 layers, GQA."""
+    return ModelConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size, max_seq_len=64,
+        multiple_of=32, rope_theta=10000.0, tie_embeddings=tie,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--dp-shard", type=int, default=-1)
+    p.add_argument("--dp-replicate", type=int, default=1)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--tie", action="store_true")
+    args = p.parse_args()
+
+    seed_everything(0, workers=True)
+    torch.use_deterministic_algorithms(True)
+    module = CausalLM(
+        config=tiny_config(tie=args.tie),
+        optimizer=OptimizerConfig(lr=3e-3),
+        scheduler=SchedulerConfig(warmup_steps=5, total_steps=40),
+        grad_clip=1.0,
+    )
+    data = TokenDataModule(data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch,
+                           val_fraction=0.1, seed=0)
+    recorder = Recorder()
+    callbacks = [recorder]
+    if args.ckpt_dir:
+        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="step={step:04d}",
+                                         auto_insert_metric_name=False, every_n_train_steps=args.ckpt_every,
+                                         save_top_k=-1))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=KempnerStrategy(dp_shard=args.dp_shard, dp_replicate=args.dp_replicate),
+        max_steps=args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    if trainer.global_rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"losses": recorder.losses, "grad_norms": recorder.grad_norms, "steps": recorder.steps}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""ParallelDims validation: every rule raises its exact message before anything is allocated."""
+
+from __future__ import annotations
+
+import pytest
+
+from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
+
+
+def test_dp_shard_inferred_from_world_size():
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, world_size=8)
+    assert dims.dp_shard == 4
+    assert dims.dp == 8
+    assert dims.shape == (1, 2, 4, 1, 1)
+
+
+def test_product_must_equal_world_size_and_shows_the_math():
+    with pytest.raises(MeshConfigError, match=r"pp\*dp_replicate\*dp_shard\*cp\*tp = 1\*2\*3\*1\*1 = 6, but world_size=4"):
+        ParallelDims(dp_replicate=2, dp_shard=3, world_size=4)
+
+
+def test_dp_shard_cannot_be_inferred():
+    with pytest.raises(MeshConfigError, match=r"dp_shard=-1 cannot be inferred: world_size=3 is not divisible by .* = 2"):
+        ParallelDims(dp_replicate=2, world_size=3)
+
+
+@pytest.mark.parametrize("field", ["dp_replicate", "tp", "pp", "cp", "ep"])
+def test_degrees_must_be_positive(field):
+    with pytest.raises(MeshConfigError, match=rf"{field}=0 is not allowed: parallel degrees are integers >= 1"):
+        ParallelDims(**{field: 0}, world_size=1)
+
+
+def test_dp_shard_zero_refused():
+    with pytest.raises(MeshConfigError, match=r"dp_shard=0 is not allowed: use an integer >= 1, or -1"):
+        ParallelDims(dp_shard=0, world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ("pp", "pipeline parallelism is not implemented"),
+        ("cp", "context parallelism is not implemented"),
+        ("ep", "expert parallelism needs MoE layers"),
+        ("tp", "tensor parallelism is not implemented"),
+    ],
+)
+def test_unimplemented_axes_are_refused_not_ignored(field, message):
+    with pytest.raises(MeshConfigError, match=message):
+        ParallelDims(**{field: 2}, world_size=2)
+
+
+def test_strategy_refuses_bad_degrees_at_construction():
+    from kempnerforge.strategies import KempnerStrategy
+
+    with pytest.raises(MeshConfigError, match="dp_replicate=0 is not allowed"):
+        KempnerStrategy(dp_replicate=0)
+    with pytest.raises(ValueError, match=r"mixed_precision_param='fp16' is not allowed; choose one of \['bfloat16', 'float32'\]"):
+        KempnerStrategy(mixed_precision_param="fp16")
