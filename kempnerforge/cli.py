@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         args=args,
         trainer_defaults={"precision": "32-true"},
         save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,  # the module builds AdamW + schedule from --model.optimizer/scheduler
         parser_kwargs={"description": "kempnerforge: Lightning trainer for decoder LLMs on N-D parallel meshes."},
     )
 

@@ -46,18 +46,18 @@ class CausalLM(LightningModule):
 
     def __init__(
         self,
-        config: ModelConfig | None = None,
-        optimizer: OptimizerConfig | None = None,
-        scheduler: SchedulerConfig | None = None,
+        config: ModelConfig = ModelConfig(),  # noqa: B008 - frozen-by-convention defaults, shown by --help
+        optimizer: OptimizerConfig = OptimizerConfig(),  # noqa: B008
+        scheduler: SchedulerConfig = SchedulerConfig(),  # noqa: B008
         grad_clip: float = 1.0,
         init_seed: int = 0,
     ) -> None:
         super().__init__()
         if grad_clip < 0:
             raise ValueError(f"grad_clip={grad_clip} must be >= 0 (0 disables clipping).")
-        self.config = config or ModelConfig()
-        self.optimizer_config = optimizer or OptimizerConfig()
-        self.scheduler_config = scheduler or SchedulerConfig()
+        self.config = config
+        self.optimizer_config = optimizer
+        self.scheduler_config = scheduler
         self.grad_clip = grad_clip
         self.init_seed = init_seed
         # Plain dicts, so the checkpoint's metadata loads with weights_only=True.
@@ -89,6 +89,20 @@ class CausalLM(LightningModule):
             raise MeshConfigError(f"tp={dims.tp} must divide n_heads={cfg.n_heads}.")
         if cfg.n_kv_heads_resolved % dims.tp:
             raise MeshConfigError(f"tp={dims.tp} must divide n_kv_heads={cfg.n_kv_heads_resolved}.")
+
+    def setup(self, stage: str) -> None:
+        """Check the data against the model before the model is built.
+
+        Raises:
+            ValueError: the datamodule's ``seq_len`` exceeds ``config.max_seq_len``.
+        """
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        seq_len = getattr(datamodule, "seq_len", None)
+        if seq_len is not None and seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"data.seq_len={seq_len} exceeds model.config.max_seq_len={self.config.max_seq_len}: "
+                "raise max_seq_len (RoPE tables cover max_seq_len positions) or shorten seq_len."
+            )
 
     def configure_model(self) -> None:
         """Build the model once (on meta under KempnerStrategy); idempotent for fit-then-validate."""
