@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from lightning.pytorch import LightningModule
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import Perplexity
@@ -20,8 +21,14 @@ from torchmetrics.text import Perplexity
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
 from kempnerforge.parallel.grad_clip import clip_grad_norm_
-from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
-from kempnerforge.training.loss import IGNORE_INDEX, global_token_cross_entropy
+from kempnerforge.parallel.mesh import ParallelDims
+from kempnerforge.parallel.tensor_parallel import validate_tp
+from kempnerforge.training.loss import (
+    IGNORE_INDEX,
+    StepTokenNormalizer,
+    loss_parallel_context,
+    token_cross_entropy_sum,
+)
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler
 from kempnerforge.training.optim import OptimizerConfig, build_adamw
 
@@ -75,6 +82,10 @@ class CausalLM(LightningModule):
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
         self.tokens_seen = 0
         self._step_start: float | None = None
+        # Normalization by the global target-token count of the whole optimizer step (dp ranks x
+        # accumulated micro-batches); see StepTokenNormalizer.
+        self._step_tokens = StepTokenNormalizer()
+        self._loss_parallel_backward = False
 
     # -- model ----------------------------------------------------------------------------------
 
@@ -82,13 +93,11 @@ class CausalLM(LightningModule):
         """Model-specific mesh rules, called by the strategy before anything is allocated.
 
         Raises:
-            MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``.
+            MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
+                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`).
         """
         cfg = self.config
-        if cfg.n_heads % dims.tp:
-            raise MeshConfigError(f"tp={dims.tp} must divide n_heads={cfg.n_heads}.")
-        if cfg.n_kv_heads_resolved % dims.tp:
-            raise MeshConfigError(f"tp={dims.tp} must divide n_kv_heads={cfg.n_kv_heads_resolved}.")
+        validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
 
     def setup(self, stage: str) -> None:
         """Check the data against the model before the model is built.
@@ -115,8 +124,10 @@ class CausalLM(LightningModule):
                 self.model.init_weights(seed=self.init_seed)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits ``(batch, seq, vocab_size)`` for ``input_ids`` ``(batch, seq)``."""
-        return self.model(input_ids)
+        """Logits ``(batch, seq, vocab_size)`` for ``input_ids`` ``(batch, seq)``, always a plain tensor
+        (vocab-sharded tensor-parallel logits are all-gathered)."""
+        logits = self.model(input_ids)
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -129,10 +140,15 @@ class CausalLM(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch: global-token-normalized cross-entropy; logs loss, lr, tokens seen, tokens/s."""
         logits = self.model(batch["input_ids"])
-        loss, global_loss, n_global = global_token_cross_entropy(logits, batch["labels"], self._dp_group())
+        # Vocab-sharded logits (TP with loss parallel): the backward must also run under loss_parallel().
+        self._loss_parallel_backward = isinstance(logits, DTensor)
+        # Un-normalized: on_before_optimizer_step divides the step's gradients by its global target-token
+        # count (all micro-batches, all dp ranks) and logs train/loss.
+        loss_sum, n_targets = token_cross_entropy_sum(logits, batch["labels"])
+        new_step = batch_idx % self.trainer.accumulate_grad_batches == 0
+        loss = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step)
         tokens = batch["input_ids"].numel() * self._dp_size()
         self.tokens_seen += tokens
-        self.log("train/loss", global_loss, prog_bar=True, rank_zero_only=True)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
         self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
         self._log_throughput(tokens)
@@ -152,9 +168,19 @@ class CausalLM(LightningModule):
         """Reset the throughput clock so data-loader start-up is not counted as step time."""
         self._step_start = None
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()``, under ``loss_parallel()`` when the step's logits were vocab-sharded.
+
+        Lightning runs the backward outside ``training_step``; the vocab-parallel cross-entropy's
+        backward (``torch.distributed.tensor.parallel.loss_parallel``) is only correct and
+        communication-free inside that context, so it is entered here too.
+        """
+        with loss_parallel_context(self._loss_parallel_backward):
+            super().backward(loss, *args, **kwargs)
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate token-weighted loss and perplexity (synced across ranks by torchmetrics)."""
-        logits = self.model(batch["input_ids"]).float()
+        logits = self(batch["input_ids"]).float()
         labels = batch["labels"]
         n = (labels != IGNORE_INDEX).sum()
         loss = torch.nn.functional.cross_entropy(
@@ -177,7 +203,13 @@ class CausalLM(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Clip to ``grad_clip`` by the true global norm (DTensor-aware) and log that norm."""
+        """Divide the step's gradients by its global target-token count and log the step loss
+        (``train/loss``, mean per target token of the global batch), then clip to ``grad_clip`` by the
+        true global norm (DTensor-aware) and log that norm."""
+        global_loss, _ = self._step_tokens.finish(
+            self.model.parameters(), self._dp_group(), self.trainer.accumulate_grad_batches
+        )
+        self.log("train/loss", global_loss, prog_bar=True, rank_zero_only=True)
         norm = clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.log("train/grad_norm", norm, rank_zero_only=True)
 
