@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from lightning.pytorch import LightningModule
+from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import Perplexity
 
@@ -138,7 +138,8 @@ class CausalLM(LightningModule):
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """One micro-batch: global-token-normalized cross-entropy; logs loss, lr, tokens seen, tokens/s."""
+        """One micro-batch: summed token cross-entropy (normalized per optimizer step in
+        :meth:`on_before_optimizer_step`); logs lr, tokens seen, tokens/s."""
         logits = self.model(batch["input_ids"])
         # Vocab-sharded logits (TP with loss parallel): the backward must also run under loss_parallel().
         self._loss_parallel_backward = isinstance(logits, DTensor)

@@ -24,8 +24,13 @@ from torch import nn
 from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
 from kempnerforge.checkpoint.sharded_state import load_model_and_optimizers
 from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_state
+from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
+from kempnerforge.parallel.compile import apply_compile
+from kempnerforge.parallel.expert_parallel import apply_ep
+from kempnerforge.parallel.float8 import apply_float8, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
 from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degrees
+from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,14 @@ class KempnerStrategy(ModelParallelStrategy):
     Args:
         dp_replicate: data-parallel replicas (HSDP when > 1 together with ``dp_shard`` > 1).
         dp_shard: FSDP2 shard degree; -1 infers it from the world size.
-        tp: tensor-parallel degree (refused until the TP step lands).
+        tp: tensor-parallel degree (Megatron-LM, arXiv:1909.08053): the model's ``tp_plan()`` is applied
+            over the ``tp`` axis first in the chain (:func:`kempnerforge.parallel.tensor_parallel.apply_tp`).
+            Must divide ``n_heads`` and ``n_kv_heads``. TP ranks of one data shard see identical batches.
+        sequence_parallel: with ``tp > 1``, shard norms and the residual stream along the sequence
+            (arXiv:2205.05198); needs ``seq_len % tp == 0``. Refused with ``tp=1``.
+        loss_parallel: with ``tp > 1``, keep the logits vocab-sharded and compute cross-entropy on the
+            shards (``torch.distributed.tensor.parallel.loss_parallel``, forward and backward);
+            False all-gathers the full ``(batch, seq, vocab)`` logits on every TP rank instead.
         pp: pipeline-parallel degree (refused until pipelining lands).
         cp: context-parallel degree (refused: not implemented).
         ep: expert-parallel degree (refused until MoE lands).
@@ -49,10 +61,23 @@ class KempnerStrategy(ModelParallelStrategy):
         reshard_after_forward: FSDP2 frees gathered parameters after forward (saves memory, one more all-gather).
         process_group_backend: "gloo", "nccl" or None (None: nccl on CUDA, gloo on CPU).
         timeout: collective timeout.
+        float8_recipe: None (FP8 off) or a torchao float8 training recipe, ``"tensorwise"`` or
+            ``"rowwise"`` (validated against the installed torchao; needs the ``float8`` extra).
+            Converts Linears whose dims are multiples of 16, except experts, routers and the head.
+        float8_all_gather: FSDP2 all-gathers weights in float8 (``float8_recipe="tensorwise"`` only).
+        activation_checkpointing: ``"none"``, ``"full"`` (every block), ``"selective"`` (every
+            ``ac_every_n``-th block) or ``"selective_op"`` (every block; matmul, attention and router
+            top-k outputs are saved, the rest recomputed; arXiv:2205.05198).
+        ac_every_n: with ``activation_checkpointing="selective"``, checkpoint every n-th block (>= 1).
+        compile: ``torch.compile`` each block in place (after AC, before FSDP2).
 
     Raises:
-        MeshConfigError: in ``setup_environment`` when degrees do not fit the world size or the model.
-        ValueError: an unknown dtype name.
+        MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
+            ``setup_environment`` when degrees do not fit the world size, the model (``n_heads % tp``,
+            ``n_kv_heads % tp``) or the data (``seq_len % tp`` with sequence parallel).
+        ValueError: an unknown dtype name, activation-checkpointing mode or ``ac_every_n`` < 1.
+        Float8ConfigError: an unknown float8 recipe, torchao missing, ``float8_all_gather`` with a
+            non-tensorwise recipe, or FP8 with ``tp > 1``.
     """
 
     def __init__(
@@ -63,11 +88,18 @@ class KempnerStrategy(ModelParallelStrategy):
         pp: int = 1,
         cp: int = 1,
         ep: int = 1,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = True,
         mixed_precision_param: str = "float32",
         mixed_precision_reduce: str = "float32",
         reshard_after_forward: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        float8_recipe: str | None = None,
+        float8_all_gather: bool = False,
+        activation_checkpointing: str = "none",
+        ac_every_n: int = 2,
+        compile: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -79,9 +111,24 @@ class KempnerStrategy(ModelParallelStrategy):
         self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
         # Validate what needs no world size now, so a bad config fails before any process starts.
         validate_degrees(**self._degrees)
+        for name, flag in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r} is not allowed; use True or False.")
+        validate_sequence_parallel(tp, sequence_parallel)
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
         self.param_dtype = resolve_dtype(mixed_precision_param, "mixed_precision_param")
         self.reduce_dtype = resolve_dtype(mixed_precision_reduce, "mixed_precision_reduce")
         self.reshard_after_forward = reshard_after_forward
+        validate_float8(float8_recipe, float8_all_gather, tp=tp)
+        validate_ac(activation_checkpointing, ac_every_n)
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r} is not allowed; use True or False.")
+        self.float8_recipe = float8_recipe
+        self.float8_all_gather = float8_all_gather
+        self.activation_checkpointing = activation_checkpointing
+        self.ac_every_n = ac_every_n
+        self.compile = compile
         self.parallel_mesh: ParallelMesh | None = None
         self._checkpoint_io = DCPCheckpointIO()
 
@@ -94,6 +141,8 @@ class KempnerStrategy(ModelParallelStrategy):
         validate = getattr(self.lightning_module, "validate_parallel", None)
         if callable(validate):
             validate(dims)
+        datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+        validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
         self.parallel_mesh = dims.build_mesh(self.root_device.type)
         self._device_mesh = self.parallel_mesh.world
         self.lightning_module._device_mesh = self._device_mesh
@@ -121,6 +170,24 @@ class KempnerStrategy(ModelParallelStrategy):
     def parallelize(self, model: nn.Module) -> None:
         """The chain in its fixed order: TP -> EP -> FP8 -> activation checkpointing -> compile -> FSDP2."""
         assert self.parallel_mesh is not None
+        # TP first: its plan matches raw nn.Linear / nn.Embedding modules by FQN (any wrapper hides them).
+        if self.parallel_mesh.dims.tp > 1:
+            apply_tp(
+                model,
+                self.parallel_mesh.tp,
+                sequence_parallel=self.sequence_parallel,
+                loss_parallel=self.loss_parallel,
+            )
+        # EP after TP: repartitions expert lists (TP's plan leaves MoE MLPs alone); the expert mesh and
+        # the body arrive with the MoE issue (ep > 1 is refused at validation until then).
+        apply_ep(model, None)
+        # FP8 after TP/EP, before AC/FSDP2: the filter must see raw Linears by FQN, and FSDP2 can only
+        # all-gather in float8 if conversion came first.
+        apply_float8(model, self.float8_recipe, self.float8_all_gather)
+        # AC before compile and FSDP2: wrapping after FSDP2 owns the parameters breaks its buckets.
+        apply_ac(model, self.activation_checkpointing, self.ac_every_n)
+        # Per-block compile after AC (the recompute is compiled too), before FSDP2 (its hooks stay outside).
+        apply_compile(model, enabled=self.compile)
         # FSDP2 last: per block, then the root (tied embedding and head share the root unit).
         apply_fsdp(
             model,
@@ -169,7 +236,11 @@ class KempnerStrategy(ModelParallelStrategy):
         )
         meta = self.checkpoint_io.load_checkpoint(path)
         dp = self.parallel_mesh.dp
-        merge_rank_state(meta, meta.pop("rank_state"), dp.get_local_rank(), dp.size())
+        # A position saved under another dp degree is remapped exactly; the global batch must be kept.
+        datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+        merge_rank_state(
+            meta, meta.pop("rank_state"), dp.get_local_rank(), dp.size(), getattr(datamodule, "micro_batch_size", None)
+        )
         return meta
 
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -140,11 +140,16 @@ class DCPCheckpointIO(CheckpointIO):
 
         Returns:
             Lightning's checkpoint dict without model/optimizer tensors, plus ``rank_state`` (this
-            rank's entry, or None when the checkpoint was written by fewer ranks) and ``world_size``.
+            rank's entry; rank 0's when the checkpoint was written by fewer ranks; None when there is
+            none) and ``world_size``.
         """
         path = self.resolve(path)
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
         own = rank_file(path, _rank())
+        if not own.is_file():
+            # The world grew: every dp rank saved the same dataloader position, so rank 0's serves
+            # (merge_rank_state remaps it if the data-parallel degree changed).
+            own = rank_file(path, 0)
         meta["rank_state"] = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
         return meta
 

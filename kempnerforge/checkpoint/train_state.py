@@ -8,6 +8,7 @@ Stored as plain tensors, ints, lists and strings so ``torch.load(weights_only=Tr
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
@@ -65,13 +66,110 @@ def split_rank_state(checkpoint: dict[str, Any], dp_rank: int, dp_size: int) -> 
     return {"rng": collect_rng_state(), "dataloader": loader, "dp_rank": dp_rank, "dp_size": dp_size}
 
 
-def merge_rank_state(checkpoint: dict[str, Any], rank_state: dict[str, Any] | None, dp_rank: int, dp_size: int) -> None:
-    """Restore RNG and put this rank's dataloader state back where Lightning's fit loop reads it.
+def _sampler_states(node: Any, batches: int | None = None) -> list[tuple[dict[str, Any], int | None]]:
+    """Every ``_sampler_iter_state`` of a (possibly nested) StatefulDataLoader state, with its batch count."""
+    found: list[tuple[dict[str, Any], int | None]] = []
+    if isinstance(node, dict):
+        batches = node.get("_num_yielded", batches)
+        if isinstance(node.get("_sampler_iter_state"), dict):
+            found.append((node["_sampler_iter_state"], batches))
+        for key, value in node.items():
+            if key != "_sampler_iter_state":
+                found += _sampler_states(value, batches)
+    elif isinstance(node, list | tuple):
+        for value in node:
+            found += _sampler_states(value, batches)
+    return found
+
+
+def remap_loader_state(state: Any, saved_dp: int, dp: int, micro_batch_size: int | None = None) -> Any:
+    """Move a train dataloader position saved at data-parallel degree ``saved_dp`` to degree ``dp``, exactly.
+
+    :class:`~kempnerforge.data.datamodule.ResumableDistributedSampler` gives rank ``r`` of ``R`` the
+    indices ``perm[r::R]`` of one seeded permutation per epoch (which does not depend on ``R``), so
+    after ``k`` batches of ``b`` samples on each of ``saved_dp`` ranks the run has consumed exactly
+    ``perm[:k * b * saved_dp]``. At degree ``dp`` the same prefix is ``k * b * saved_dp / dp``
+    samples per rank; the next global batch is then the same set of windows, provided the global
+    batch ``micro_batch_size * dp`` equals the saved ``b * saved_dp`` (scale ``micro_batch_size``
+    by ``saved_dp / dp`` when changing the degree). Batch counts (``k``) are kept.
+
+    Args:
+        state: the saved ``combined_loader`` state (a list of StatefulDataLoader state dicts).
+        saved_dp: data-parallel degree of the saving run.
+        dp: data-parallel degree of this run.
+        micro_batch_size: this run's per-rank micro-batch (checked when given).
+
+    Returns:
+        A remapped copy of ``state``.
 
     Raises:
-        DataParallelMismatchError: the checkpoint's dataloader state was saved with another
-            data-parallel degree, or this rank has no saved state; remapping sample positions across
-            degrees is not exact, so it is refused rather than silently restarting the data.
+        DataParallelMismatchError: no sampler position found in ``state``, samples consumed not
+            divisible by ``dp``, or a global batch that changed.
+    """
+    state = copy.deepcopy(state)
+    found = _sampler_states(state)
+    if not found:
+        raise DataParallelMismatchError(
+            f"Cannot remap the dataloader position from dp={saved_dp} to dp={dp}: the saved loader state has no "
+            "sampler position (a StatefulDataLoader over ResumableDistributedSampler is needed). Resume with "
+            f"dp_replicate*dp_shard={saved_dp}."
+        )
+    for iter_state, batches in found:
+        sampler = iter_state.get("sampler_state") or {}
+        yielded = int(sampler.get("yielded", iter_state.get("samples_yielded", 0)))
+        consumed = yielded * saved_dp
+        if consumed % dp:
+            raise DataParallelMismatchError(
+                f"Cannot remap the dataloader position from dp={saved_dp} to dp={dp}: the run consumed "
+                f"{yielded} samples per rank x {saved_dp} ranks = {consumed} samples of the epoch, not divisible "
+                f"by dp={dp}. Resume with dp_replicate*dp_shard={saved_dp}, or a dp that divides {consumed}."
+            )
+        if micro_batch_size is not None and batches:
+            saved_batch = yielded // batches
+            global_batch = saved_batch * saved_dp
+            if global_batch != micro_batch_size * dp:
+                fix = (
+                    f"Set micro_batch_size={global_batch // dp}."
+                    if global_batch % dp == 0
+                    else f"No micro_batch_size does at dp={dp}; use a dp that divides {global_batch}."
+                )
+                raise DataParallelMismatchError(
+                    f"Resuming at dp={dp} from a checkpoint saved at dp={saved_dp} must keep the global batch: "
+                    f"saved micro_batch_size*dp = {saved_batch}*{saved_dp} = {global_batch}, this run "
+                    f"has {micro_batch_size}*{dp} = {micro_batch_size * dp}. {fix}"
+                )
+        new = consumed // dp
+        if "sampler_state" in iter_state:
+            sampler["yielded"] = new
+        if "samples_yielded" in iter_state:
+            iter_state["samples_yielded"] = new
+    return state
+
+
+def merge_rank_state(
+    checkpoint: dict[str, Any],
+    rank_state: dict[str, Any] | None,
+    dp_rank: int,
+    dp_size: int,
+    micro_batch_size: int | None = None,
+) -> None:
+    """Restore RNG and put this rank's dataloader state back where Lightning's fit loop reads it.
+
+    Saved under another data-parallel degree, the position is remapped exactly by
+    :func:`remap_loader_state` (the global batch must stay the same: scale ``micro_batch_size``).
+    Every dp rank has consumed the same number of samples, so when this rank's own file is
+    missing (the world grew) the position of any saved rank serves.
+
+    Args:
+        checkpoint: Lightning's checkpoint dict (``meta.pt``), updated in place.
+        rank_state: this rank's ``rank_*.pt`` (see :func:`split_rank_state`), or None when missing.
+        dp_rank: this rank's data-parallel index.
+        dp_size: this run's data-parallel degree.
+        micro_batch_size: this run's per-rank micro-batch, checked when the degree changed.
+
+    Raises:
+        DataParallelMismatchError: no per-rank state at all, or a position that cannot be remapped
+            exactly (see :func:`remap_loader_state`); never a silent restart of the data.
     """
     if rank_state is None:
         raise DataParallelMismatchError(
@@ -80,12 +178,10 @@ def merge_rank_state(checkpoint: dict[str, Any], rank_state: dict[str, Any] | No
             "load weights only."
         )
     saved = rank_state.get("dp_size")
-    if rank_state.get("dataloader") is not None and saved != dp_size:
-        raise DataParallelMismatchError(
-            f"The dataloader position was saved with a data-parallel degree of {saved} but this run has "
-            f"dp={dp_size}: the data order would change. Resume with dp_replicate*dp_shard={saved}."
-        )
+    loader = rank_state.get("dataloader")
+    if loader is not None and saved != dp_size:
+        loader = remap_loader_state(loader, int(saved), dp_size, micro_batch_size)
     restore_rng_state(rank_state["rng"])
     parent = _loader_parent(checkpoint)
-    if parent is not None and rank_state.get("dataloader") is not None:
-        parent[_LOADER_KEYS[-1]] = rank_state["dataloader"]
+    if parent is not None and loader is not None:
+        parent[_LOADER_KEYS[-1]] = loader

@@ -18,6 +18,7 @@ from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 
 # Projections that write into the residual stream; scaled down by 1/sqrt(2 * n_layers) at init so
 # the residual variance does not grow with depth (GPT-2 / torchtitan practice).
@@ -73,6 +74,15 @@ class Transformer(nn.Module):
         a no-op when untied or already tied."""
         if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
+
+    def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> TPPlan:
+        """The tensor-parallel plan this model declares (see :func:`dense_decoder_tp_plan`).
+
+        The strategy applies it with :func:`kempnerforge.parallel.tensor_parallel.apply_tp`.
+        """
+        return dense_decoder_tp_plan(
+            self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab_size) for ``tokens`` (batch, seq) at positions 0..seq-1.

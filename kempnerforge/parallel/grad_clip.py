@@ -40,7 +40,9 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     for group in _group_by_mesh(grads).values():
         # CPU fp32 reductions over millions of elements drift by ~1e-5 relative; accumulate in fp64 there.
         dtype = torch.float64 if group[0].device.type == "cpu" else None
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=dtype) for g in group]))
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, dtype=dtype) for g in group])
+        )
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # reduces the Partial / Shard placements across the mesh
         squares.append(norm.float() ** 2)
@@ -50,11 +52,20 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Scale gradients in place so their global L2 norm is at most ``max_norm`` (0: no clipping).
 
+    Every gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))`` (the coefficient of
+    ``torch.nn.utils.clip_grad_norm_``), one mesh group at a time.
+
     Returns:
         The global norm before clipping (scalar tensor).
     """
     params = [p for p in parameters if p.grad is not None]
     norm = total_grad_norm(params)
     if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm.to(params[0].grad.device))
+        # One coefficient for all, applied per mesh: a foreach op cannot mix DTensors of different
+        # meshes (e.g. TP+FSDP2 2-D weights next to FSDP2-only 1-D norm weights).
+        by_mesh: dict[object, list[torch.Tensor]] = {}
+        for p in params:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device))
     return norm

@@ -48,8 +48,6 @@ def validate_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int
         )
     if ep > 1:
         raise MeshConfigError(f"ep={ep} is not supported yet: expert parallelism needs MoE layers; use ep=1.")
-    if tp > 1:
-        raise MeshConfigError(f"tp={tp} is not supported yet: tensor parallelism is not implemented; use tp=1.")
 
 
 @dataclass
@@ -140,6 +138,11 @@ class ParallelMesh:
         if self.dims.dp_replicate > 1:
             return self.world["dp_replicate", "dp_shard"]
         return self.world["dp_shard"]
+
+    @cached_property
+    def tp(self) -> DeviceMesh:
+        """1-D tensor-parallel mesh (``tp`` axis): the mesh :func:`~kempnerforge.parallel.tensor_parallel.apply_tp` shards over."""
+        return self.world["tp"]
 
     @property
     def dp_rank(self) -> int:

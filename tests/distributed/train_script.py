@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from kempnerforge.config import ModelConfig
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
+from kempnerforge.parallel.grad_clip import total_grad_norm
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.lr import SchedulerConfig
 from kempnerforge.training.optim import OptimizerConfig
@@ -27,13 +28,18 @@ class Recorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        self.clipped_norms: list[float] = []
         self.steps: list[int] = []
+        self.batches: list[list[list[int]]] = []  # this rank's input_ids per step (with --record-batches)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
         self.losses.append(float(m["train/loss"]))
         self.grad_norms.append(float(m["train/grad_norm"]))
         self.steps.append(trainer.global_step)
+        # Gradients after clipping are still there (zeroed at the next step): their global norm.
+        self.clipped_norms.append(float(total_grad_norm(pl_module.model.parameters())))
+        self.batches.append(batch["input_ids"].tolist())
 
 
 def tiny_config(vocab_size: int = 50257, tie: bool = False) -> ModelConfig:
@@ -57,10 +63,22 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--tie", action="store_true")
+    p.add_argument("--ac", default="none", help="activation_checkpointing mode")
+    p.add_argument("--ac-every-n", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="per-block torch.compile")
+    p.add_argument("--float8", default=None, help="float8_recipe (tests/gpu)")
+    p.add_argument("--float8-all-gather", action="store_true")
+    p.add_argument("--param-dtype", default="float32", help="mixed_precision_param")
+    p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (nccl, tests/gpu)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--no-loss-parallel", action="store_true")
+    p.add_argument("--record-batches", default=None, help="folder: each rank writes its batches as JSON")
     args = p.parse_args()
 
     seed_everything(0, workers=True)
-    torch.use_deterministic_algorithms(True)
+    # CUDA: some kernels (SDPA backward, embedding backward) have no deterministic variant; warn only.
+    torch.use_deterministic_algorithms(True, warn_only=args.accelerator != "cpu")
     module = CausalLM(
         config=tiny_config(tie=args.tie),
         optimizer=OptimizerConfig(lr=3e-3),
@@ -76,9 +94,13 @@ def main() -> None:
                                          auto_insert_metric_name=False, every_n_train_steps=args.ckpt_every,
                                          save_top_k=-1))
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=KempnerStrategy(dp_shard=args.dp_shard, dp_replicate=args.dp_replicate),
+        strategy=KempnerStrategy(dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp,
+                                 sequence_parallel=args.sequence_parallel, loss_parallel=not args.no_loss_parallel,
+                                 activation_checkpointing=args.ac, ac_every_n=args.ac_every_n,
+                                 compile=args.compile, float8_recipe=args.float8,
+                                 float8_all_gather=args.float8_all_gather, mixed_precision_param=args.param_dtype),
         max_steps=args.steps,
         limit_val_batches=0,
         logger=False,
@@ -90,7 +112,12 @@ def main() -> None:
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     if trainer.global_rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": recorder.losses, "grad_norms": recorder.grad_norms, "steps": recorder.steps}, f)
+            json.dump({"losses": recorder.losses, "grad_norms": recorder.grad_norms, "steps": recorder.steps,
+                       "clipped_norms": recorder.clipped_norms}, f)
+    if args.record_batches:
+        coords = trainer.strategy.parallel_mesh.coordinates()
+        with open(os.path.join(args.record_batches, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"coords": coords, "batches": recorder.batches}, f)
 
 
 if __name__ == "__main__":

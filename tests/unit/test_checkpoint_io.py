@@ -78,10 +78,86 @@ def test_rank_state_goes_back_where_lightning_reads_it():
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"pos": 3}]
 
 
-def test_dataloader_state_under_another_dp_degree_is_refused():
+def test_dataloader_state_under_another_dp_degree_without_sampler_position_is_refused():
     ckpt = _checkpoint([{"pos": 3}])
     rank_state = split_rank_state(ckpt, dp_rank=0, dp_size=2)
-    with pytest.raises(DataParallelMismatchError, match="saved with a data-parallel degree of 2 but this run has dp=1"):
+    with pytest.raises(
+        DataParallelMismatchError,
+        match=r"Cannot remap the dataloader position from dp=2 to dp=1: the saved loader state has no sampler position",
+    ):
         merge_rank_state(ckpt, rank_state, dp_rank=0, dp_size=1)
     with pytest.raises(DataParallelMismatchError, match="No per-rank state for this rank"):
         merge_rank_state(ckpt, None, dp_rank=3, dp_size=4)
+
+
+def _loader_state(batches: int, micro_batch: int) -> list[dict]:
+    """What a StatefulDataLoader over ResumableDistributedSampler saves after ``batches`` batches (num_workers=0)."""
+    yielded = batches * micro_batch
+    return [
+        {
+            "_index_sampler_state": None,
+            "_sampler_iter_state": {
+                "samples_yielded": yielded,
+                "sampler_state": {"yielded": yielded, "epoch": 0},
+            },
+            "_sampler_iter_yielded": batches,
+            "_num_yielded": batches,
+            "_iterator_finished": False,
+        }
+    ]
+
+
+@pytest.mark.parametrize(("saved_dp", "micro", "dp", "new_micro"), [(2, 4, 1, 8), (2, 4, 4, 2), (1, 8, 2, 4)])
+def test_dataloader_position_is_remapped_exactly_across_dp_degrees(saved_dp, micro, dp, new_micro):
+    """k batches of b on d ranks = the first k*b*d samples of the epoch: k*b*d/d' per rank at degree d'."""
+    ckpt = _checkpoint(_loader_state(batches=5, micro_batch=micro))
+    rank_state = split_rank_state(ckpt, dp_rank=0, dp_size=saved_dp)
+    merge_rank_state(ckpt, rank_state, dp_rank=0, dp_size=dp, micro_batch_size=new_micro)
+    (state,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    expected = 5 * micro * saved_dp // dp
+    assert state["_sampler_iter_state"] == {
+        "samples_yielded": expected,
+        "sampler_state": {"yielded": expected, "epoch": 0},
+    }
+    assert state["_num_yielded"] == 5  # batches (and the global step) are unchanged
+
+
+def test_remapped_position_resumes_the_same_samples():
+    """The sampler at dp=1 with the remapped position yields exactly what the 2 ranks would have yielded next."""
+    from kempnerforge.checkpoint.train_state import remap_loader_state
+    from kempnerforge.data.datamodule import ResumableDistributedSampler
+
+    data = list(range(103))
+    two = [
+        list(ResumableDistributedSampler(data, num_replicas=2, rank=r, seed=5, drop_last=True))
+        for r in range(2)
+    ]
+    (state,) = remap_loader_state(
+        _loader_state(batches=3, micro_batch=4), saved_dp=2, dp=1, micro_batch_size=8
+    )
+    one = ResumableDistributedSampler(data, num_replicas=1, rank=0, seed=5, drop_last=True)
+    one.load_state_dict(state["_sampler_iter_state"]["sampler_state"])
+    next_global = sorted(two[0][12:16] + two[1][12:16])  # step 4 at dp=2: 4 samples on each rank
+    assert sorted(list(one)[:8]) == next_global
+
+
+def test_remap_refuses_indivisible_positions_and_a_changed_global_batch():
+    with pytest.raises(
+        DataParallelMismatchError,
+        match=r"consumed 3 samples per rank x 1 ranks = 3 samples of the epoch, not divisible by dp=2",
+    ):
+        merge_rank_state(
+            _ck := _checkpoint(_loader_state(batches=1, micro_batch=3)),
+            split_rank_state(_ck, dp_rank=0, dp_size=1),
+            dp_rank=0,
+            dp_size=2,
+        )
+    ckpt = _checkpoint(_loader_state(batches=5, micro_batch=4))
+    with pytest.raises(
+        DataParallelMismatchError,
+        match=r"must keep the global batch: saved micro_batch_size\*dp = 4\*2 = 8, this run has 4\*1 = 4. "
+        r"Set micro_batch_size=8",
+    ):
+        merge_rank_state(
+            ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=1, micro_batch_size=4
+        )

@@ -41,7 +41,6 @@ def test_dp_shard_zero_refused():
         ("pp", "pipeline parallelism is not implemented"),
         ("cp", "context parallelism is not implemented"),
         ("ep", "expert parallelism needs MoE layers"),
-        ("tp", "tensor parallelism is not implemented"),
     ],
 )
 def test_unimplemented_axes_are_refused_not_ignored(field, message):

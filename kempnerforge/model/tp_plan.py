@@ -1,0 +1,108 @@
+"""The tensor-parallel plan the dense decoder declares (the strategy decides whether to apply it).
+
+Follows torchtitan v0.2 (``torchtitan/models/llama3/infra/parallelize.py``, ``apply_tp``) and
+Megatron-LM (Shoeybi et al., arXiv:1909.08053, sec. 3): in attention, Q/K/V are split column-wise
+(by heads) and O row-wise; in the SwiGLU MLP, gate/up (``w1``/``w3``) column-wise and down
+(``w2``) row-wise, so each block needs one all-reduce in forward and one in backward per sublayer.
+The embedding is vocab-parallel (row-wise over the vocabulary) and the output head column-wise
+(vocab-sharded logits, consumed by loss parallel). Optional sequence parallelism (Korthikanti et
+al., arXiv:2205.05198) shards the norms' activations along the sequence and turns each all-reduce
+into a reduce-scatter + all-gather pair.
+
+Keys are module FQNs relative to the model (``root``) or to each block of ``model.layers``
+(``block``); :func:`kempnerforge.parallel.tensor_parallel.apply_tp` checks that every key matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from kempnerforge.config.model import ModelConfig
+
+
+@dataclass
+class TPPlan:
+    """A tensor-parallel plan split into the part applied to the root and the part applied per block.
+
+    Attributes:
+        root: FQN (relative to the model) -> style, e.g. ``{"tok_embeddings": RowwiseParallel(...)}``.
+        block: FQN (relative to each block of ``model.layers``) -> style, e.g. ``{"attention.wq": ...}``.
+    """
+
+    root: dict[str, ParallelStyle] = field(default_factory=dict)
+    block: dict[str, ParallelStyle] = field(default_factory=dict)
+
+
+def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
+    """The TP plan of :class:`kempnerforge.model.Transformer` (torchtitan v0.2 ``apply_tp``).
+
+    Activations between blocks (the residual stream, ``(batch, seq, dim)``) are replicated over the
+    TP ranks, or with ``sequence_parallel`` sharded along ``seq`` (``(batch, seq / tp, dim)`` local),
+    in which case RMSNorms run on sequence shards and attention / MLP inputs are all-gathered.
+
+    - ``tok_embeddings``: vocab-parallel (``RowwiseParallel`` on ``nn.Embedding``: weight
+      ``Shard(0)`` over vocab, replicated token ids in).
+    - ``attention.wq/wk/wv``, ``feed_forward.w1/w3``: ``ColwiseParallel`` (weight ``Shard(0)``:
+      each rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` KV heads, ``ffn_hidden / tp``
+      MLP channels). ``attention.wo``, ``feed_forward.w2``: ``RowwiseParallel`` (weight ``Shard(1)``).
+    - With ``config.qk_norm``: ``q_norm``/``k_norm`` see only this rank's heads, so they are marked
+      ``SequenceParallel(sequence_dim=2)`` (heads dim sharded): their weight is a replicated DTensor
+      and its gradient is summed over the TP ranks (a plain parameter would keep a per-rank partial).
+    - ``output``: ``ColwiseParallel``; with ``loss_parallel`` the logits stay a DTensor
+      ``Shard(-1)`` over vocab (``(batch, seq, vocab / tp)`` local) for vocab-parallel
+      cross-entropy, otherwise they are all-gathered into a plain ``(batch, seq, vocab)`` tensor.
+
+    A tied embedding/head works: both styles shard the one ``(vocab, dim)`` matrix as ``Shard(0)``,
+    and :func:`~kempnerforge.parallel.tensor_parallel.apply_tp` re-ties them afterwards.
+
+    Args:
+        config: the model's config (reads ``qk_norm``).
+        sequence_parallel: shard norms and the residual stream along ``seq`` (arXiv:2205.05198).
+        loss_parallel: keep the logits vocab-sharded for loss parallel.
+
+    Returns:
+        A :class:`TPPlan`.
+    """
+    sp = sequence_parallel
+    residual = Shard(1) if sp else Replicate()
+    root: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "output": ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    block: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sp:
+        root["norm"] = SequenceParallel()
+        block["attention_norm"] = SequenceParallel()
+        block["ffn_norm"] = SequenceParallel()
+        # forward(x, cos, sin): all-gather x along seq; the RoPE tables are plain replicated tensors.
+        block["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        )
+        block["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+    if config.qk_norm:
+        block["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        block["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return TPPlan(root=root, block=block)

@@ -1,0 +1,258 @@
+"""FP8 (torchao float8 training): the module swap, the filter, the refusals, and a tiny step on CPU.
+
+``_scaled_mm`` runs at ~60 MFLOP/s on CPU (NOTES-platform.md): every FP8 forward here is dim 32 and
+a few tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kempnerforge.config import ModelConfig
+from kempnerforge.model import Transformer
+from kempnerforge.parallel import float8 as f8
+from kempnerforge.parallel.float8 import (
+    Float8ConfigError,
+    apply_float8,
+    float8_module_filter,
+    validate_float8,
+)
+from kempnerforge.parallel.order import TransformOrderError, applied_steps, record_step
+
+pytest.importorskip("torchao.float8")
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+
+# ffn_hidden_dim=40: w1/w3 (32 -> 40) and w2 (40 -> 32) are not multiples of 16 and must stay nn.Linear.
+CFG = ModelConfig(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=40
+)
+
+
+@pytest.fixture
+def fresh_process_group():
+    """In-process ``Trainer.fit`` with KempnerStrategy initializes a 1-rank process group and leaves it;
+    destroy it afterwards so later tests that create their own group start clean."""
+    import torch.distributed as dist
+
+    was_initialized = dist.is_initialized()
+    yield
+    if not was_initialized and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _swapped(model: nn.Module) -> list[str]:
+    return sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+
+
+@pytest.mark.parametrize(
+    ("module", "fqn", "expected"),
+    [
+        (nn.Linear(32, 64), "layers.0.attention.wq", True),
+        (nn.Linear(32, 64), "layers.0._checkpoint_wrapped_module.attention.wq", True),
+        (nn.Linear(32, 40), "layers.0.feed_forward.w1", False),  # out not a multiple of 16
+        (nn.Linear(40, 32), "layers.0.feed_forward.w2", False),  # in not a multiple of 16
+        (nn.Linear(32, 96), "output", False),  # the head
+        (nn.Linear(32, 64), "layers.1.moe.experts.0.w1", False),
+        (nn.Linear(32, 16), "layers.1.moe.router.gate", False),
+        (nn.Embedding(96, 32), "tok_embeddings", False),
+        (nn.Linear(32, 64), "layers.0.output_proj", True),  # only the exact head FQN is skipped
+    ],
+)
+def test_filter(module, fqn, expected):
+    assert float8_module_filter(module, fqn) is expected
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_swap_on_meta_model_converts_exactly_the_eligible_linears(recipe):
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    converted = apply_float8(model, recipe)
+    expected = sorted(f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo"))
+    assert sorted(converted) == _swapped(model) == expected
+    assert type(model.output) is nn.Linear and type(model.layers["0"].feed_forward.w1) is nn.Linear
+    assert applied_steps(model) == ["float8"]
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in Transformer(CFG).named_parameters()]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tiny_fp8_step_runs_and_is_close_to_fp32(recipe):
+    reference = Transformer(CFG)
+    reference.init_weights(seed=0)
+    model = Transformer(CFG)
+    model.init_weights(seed=0)
+    apply_float8(model, recipe)
+    tokens = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    out, ref = model(tokens), reference(tokens)
+    out.float().logsumexp(-1).sum().backward()
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()  # fp8 quantization error, not garbage
+    grad = model.layers["0"].attention.wq.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_float8_all_gather_with_fsdp2_world_1(gloo_world_1):
+    """tensorwise + float8 all-gather: FSDP2 shards the float8-cast weight wrapper; meta init and a step work."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kempnerforge.parallel.fsdp import apply_fsdp
+
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    apply_float8(model, "tensorwise", all_gather=True)
+    apply_fsdp(model, init_device_mesh("cpu", (1,)))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(seed=0)
+    reference = Transformer(CFG)
+    reference.init_weights(seed=0)
+    w = model.layers["0"].attention.wq.weight
+    assert torch.equal(w.full_tensor().float(), reference.layers["0"].attention.wq.weight)
+    tokens = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(tokens).float().logsumexp(-1).sum().backward()
+    assert torch.isfinite(w.grad.full_tensor()).all()
+
+
+def test_recipe_none_only_records_the_step():
+    model = Transformer(CFG)
+    assert apply_float8(model, None) == []
+    assert _swapped(model) == [] and applied_steps(model) == ["float8"]
+
+
+def test_fp8_after_activation_checkpointing_raises():
+    model = Transformer(CFG)
+    record_step(model, "activation_checkpoint")
+    with pytest.raises(TransformOrderError, match="Cannot apply 'float8' after 'activation_checkpoint'"):
+        apply_float8(model, "tensorwise")
+
+
+def test_nothing_to_convert_raises():
+    cfg = ModelConfig(dim=24, n_layers=1, n_heads=4, vocab_size=96, max_seq_len=16, ffn_hidden_dim=40)
+    with pytest.raises(Float8ConfigError, match=r"float8_recipe='tensorwise' converts no Linear"):
+        apply_float8(Transformer(cfg), "tensorwise")
+
+
+def _recipes() -> list[str]:
+    from torchao.float8 import Float8LinearRecipeName
+
+    return [r.value for r in Float8LinearRecipeName]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "all_gather", "tp", "message"),
+    [
+        (
+            "fp8",
+            False,
+            1,
+            "float8_recipe='fp8' is not a recipe of the installed torchao; choose one of {recipes} (or None to disable FP8).",
+        ),
+        (
+            "rowwise",
+            True,
+            1,
+            "float8_all_gather=True needs float8_recipe='tensorwise' (torchao all-gathers only per-tensor scaled weights); got float8_recipe='rowwise'.",
+        ),
+        (None, True, 1, "float8_all_gather=True needs FP8: set float8_recipe='tensorwise'."),
+        (
+            "tensorwise",
+            False,
+            2,
+            "float8_recipe='tensorwise' with tp=2 is not supported: FP8 + tensor parallelism needs torchao's Float8 parallel styles and a GPU parity test; use tp=1 or float8_recipe=None.",
+        ),
+    ],
+)
+def test_validation_messages(recipe, all_gather, tp, message):
+    with pytest.raises(Float8ConfigError) as err:
+        validate_float8(recipe, all_gather, tp)
+    assert str(err.value) == message.format(recipes=_recipes())
+
+
+@pytest.mark.parametrize(("version", "found"), [(None, "not installed"), ((0, 17), "version 0.17")])
+def test_missing_or_old_torchao_is_a_clear_error(monkeypatch, version, found):
+    monkeypatch.setattr(f8, "_torchao_version", lambda: version)
+    with pytest.raises(Float8ConfigError) as err:
+        validate_float8("tensorwise", False)
+    assert str(err.value) == (
+        f"float8_recipe needs torchao>=0.18 (found: {found}); install the extra: pip install "
+        "'kempnerforge[float8]' (torchao has no dependencies and leaves torch as is)."
+    )
+    validate_float8(None, False)  # FP8 off needs no torchao
+
+
+def test_valid_settings_pass():
+    for recipe in ("tensorwise", "rowwise"):
+        validate_float8(recipe, False)
+    validate_float8("tensorwise", True)
+
+
+def test_strategy_applies_fp8_in_the_chain(fresh_process_group):
+    """KempnerStrategy(float8_recipe=...) converts the block Linears before FSDP2 and trains one step."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from kempnerforge.module import CausalLM
+    from kempnerforge.strategies import KempnerStrategy
+    from kempnerforge.training.lr import SchedulerConfig
+
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    samples = [{"input_ids": r[:-1], "labels": r[1:]} for r in ids]
+    module = CausalLM(CFG, scheduler=SchedulerConfig(warmup_steps=1, total_steps=2))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=KempnerStrategy(float8_recipe="rowwise"),
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=DataLoader(samples, batch_size=1))
+    assert _swapped(module.model) == sorted(
+        f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")
+    )
+    assert applied_steps(module.model) == ["ep", "float8", "activation_checkpoint", "compile", "fsdp"]
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (
+            {"float8_recipe": "e4m3"},
+            Float8ConfigError,
+            "float8_recipe='e4m3' is not a recipe of the installed torchao",
+        ),
+        (
+            {"float8_recipe": "rowwise", "float8_all_gather": True},
+            Float8ConfigError,
+            "float8_all_gather=True needs float8_recipe='tensorwise'",
+        ),
+        (
+            {"tp": 2, "float8_recipe": "tensorwise"},
+            Float8ConfigError,
+            "float8_recipe='tensorwise' with tp=2 is not supported: FP8 + tensor parallelism",
+        ),
+        (
+            {"activation_checkpointing": "partial"},
+            ValueError,
+            "activation_checkpointing='partial' is not allowed",
+        ),
+        (
+            {"activation_checkpointing": "selective", "ac_every_n": 0},
+            ValueError,
+            "ac_every_n=0 is not allowed",
+        ),
+        ({"compile": "yes"}, ValueError, "compile='yes' is not allowed; use True or False."),
+    ],
+)
+def test_strategy_refuses_bad_chain_settings_at_construction(kwargs, error, message):
+    """Raised by the constructor: before any process group, mesh or tensor exists."""
+    from kempnerforge.strategies import KempnerStrategy
+
+    with pytest.raises(error) as err:
+        KempnerStrategy(**kwargs)
+    assert str(err.value).startswith(message)
