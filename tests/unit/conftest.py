@@ -25,3 +25,13 @@ def gloo_world_1():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_group():
+    """In-process ``Trainer.fit`` with KempnerStrategy initializes a 1-rank process group and leaves it;
+    destroy a group a test left behind, so later tests that create their own start clean."""
+    was_initialized = dist.is_initialized()
+    yield
+    if not was_initialized and dist.is_initialized():
+        dist.destroy_process_group()

@@ -30,18 +30,6 @@ CFG = ModelConfig(
 )
 
 
-@pytest.fixture
-def fresh_process_group():
-    """In-process ``Trainer.fit`` with KempnerStrategy initializes a 1-rank process group and leaves it;
-    destroy it afterwards so later tests that create their own group start clean."""
-    import torch.distributed as dist
-
-    was_initialized = dist.is_initialized()
-    yield
-    if not was_initialized and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _swapped(model: nn.Module) -> list[str]:
     return sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
 
@@ -187,7 +175,7 @@ def test_valid_settings_pass():
     validate_float8("tensorwise", True)
 
 
-def test_strategy_applies_fp8_in_the_chain(fresh_process_group):
+def test_strategy_applies_fp8_in_the_chain():
     """KempnerStrategy(float8_recipe=...) converts the block Linears before FSDP2 and trains one step."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader

@@ -23,18 +23,6 @@ CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ma
 SEQ = 12
 
 
-@pytest.fixture
-def fresh_process_group():
-    """In-process ``Trainer.fit`` with KempnerStrategy initializes a 1-rank process group and leaves it;
-    destroy it afterwards so later tests that create their own group start clean."""
-    import torch.distributed as dist
-
-    was_initialized = dist.is_initialized()
-    yield
-    if not was_initialized and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _samples(n: int) -> list[dict[str, torch.Tensor]]:
     """``n`` sequences; sample i has its last (i * 5) % 11 labels ignored (0 to 10 of 12), a few none at all."""
     gen = torch.Generator().manual_seed(0)
@@ -89,7 +77,7 @@ def _run(samples, batch_size: int, accumulate: int, steps: int) -> _Recording:
 @pytest.mark.parametrize(
     ("n_samples", "steps"), [(16, 2), (12, 2)], ids=["full-windows", "short-last-window"]
 )
-def test_accumulate_4_equals_one_batch_4x_larger_with_padding(n_samples, steps, fresh_process_group):
+def test_accumulate_4_equals_one_batch_4x_larger_with_padding(n_samples, steps):
     """b=2: 4 micro-batches of 2 vs batches of 8. With 12 samples the 2nd step has only 2 micro-batches
     (Lightning steps at the end of the epoch) vs one batch of 4: normalized by the tokens it really had."""
     samples = _samples(n_samples)
