@@ -82,8 +82,11 @@ def test_weights_identical_with_and_without_ac_and_compile(gloo_world_1):
 
 def test_plain_model_loads_a_transformed_state_dict(gloo_world_1):
     transformed, plain = _build("full", True, False), Transformer(CFG)
-    plain.load_state_dict(transformed.state_dict())
-    transformed.load_state_dict(plain.state_dict())
+    result = plain.load_state_dict(transformed.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(plain.norm.weight, transformed.norm.weight)
+    result = transformed.load_state_dict(plain.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
 
 
 def test_compile_after_fsdp_raises():

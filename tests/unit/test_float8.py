@@ -170,9 +170,13 @@ def test_missing_or_old_torchao_is_a_clear_error(monkeypatch, version, found):
 
 
 def test_valid_settings_pass():
+    from kempnerforge.strategies import KempnerStrategy
+
     for recipe in ("tensorwise", "rowwise"):
         validate_float8(recipe, False)
+        assert KempnerStrategy(float8_recipe=recipe).float8_recipe == recipe
     validate_float8("tensorwise", True)
+    assert KempnerStrategy(float8_recipe="tensorwise", float8_all_gather=True).float8_all_gather is True
 
 
 def test_strategy_applies_fp8_in_the_chain():
