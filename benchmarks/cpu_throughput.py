@@ -257,9 +257,7 @@ def wait_until_idle(max_wait_s: float, threshold: float) -> float | None:
         if load is None or load <= threshold or time.monotonic() >= deadline:
             return load
         if not announced:
-            print(
-                f"  waiting up to {max_wait_s:.0f} s for other processes to go idle (they use {100 * load:.0f}%)"
-            )
+            print(f"  waiting up to {max_wait_s:.0f} s for other processes to go idle (they use {100 * load:.0f}%)")
             announced = True
 
 
@@ -396,18 +394,14 @@ class PlainTrainer:
         self.meter.end(loss)
 
 
-def build_plain(
-    cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: list[Batch], args, sts: bool
-) -> PlainTrainer:
+def build_plain(cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: list[Batch], args, sts: bool) -> PlainTrainer:
     """(b) the same ``Transformer`` (eager build + its own ``init_weights``: the same values as ``sd``)."""
     model = Transformer(cfg)
     model.init_weights(seed=args.seed)
     return PlainTrainer(model, lambda m, x: m(x), batches, args, sts)
 
 
-def build_hf(
-    cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: list[Batch], args, sts: bool
-) -> PlainTrainer:
+def build_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: list[Batch], args, sts: bool) -> PlainTrainer:
     """(c) ``LlamaForCausalLM`` (SDPA attention) with the same weights."""
     from transformers import LlamaForCausalLM
 
@@ -450,9 +444,7 @@ def litgpt_config(cfg: ModelConfig):
     )
 
 
-def build_litgpt(
-    cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: list[Batch], args, sts: bool
-) -> PlainTrainer:
+def build_litgpt(cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: list[Batch], args, sts: bool) -> PlainTrainer:
     """(d) litgpt ``GPT`` with the same weights."""
     from litgpt.model import GPT
 
@@ -553,9 +545,7 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags (shape, steps, schedule, threads, output)."""
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dim", type=int, default=256, help="model width (default 256)")
     p.add_argument("--n-layers", type=int, default=4, help="transformer blocks (default 4)")
     p.add_argument("--n-heads", type=int, default=8, help="query heads (default 8)")
@@ -655,12 +645,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     info = machine_info()
     kv = cfg.n_kv_heads_resolved
     attn = "MHA" if kv == cfg.n_heads else f"GQA, {cfg.n_heads // kv} query heads per KV head"
-    print(
-        f"machine : {info['cpu']} | {info['affinity_cpus']} CPUs | torch {info['torch']} | threads {threads}"
-    )
-    print(
-        f"versions: lightning {info['lightning']} | transformers {info['transformers']} | litgpt {info['litgpt']}"
-    )
+    print(f"machine : {info['cpu']} | {info['affinity_cpus']} CPUs | torch {info['torch']} | threads {threads}")
+    print(f"versions: lightning {info['lightning']} | transformers {info['transformers']} | litgpt {info['litgpt']}")
     print(
         f"shape   : dim {cfg.dim}, n_layers {cfg.n_layers}, n_heads {cfg.n_heads}, n_kv_heads {kv} ({attn}), "
         f"ffn {cfg.ffn_hidden}, vocab {cfg.vocab_size}, seq {args.seq_len}, batch {args.batch_size} -> "
@@ -675,9 +661,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peak = matmul_peak(args.peak_n)
     print(f"peak    : {peak / 1e9:.1f} GFLOP/s (fp32 {args.peak_n}^3 matmul, best of 15)", flush=True)
 
-    batches = make_batches(
-        args.warmup + args.steps + 1, args.batch_size, args.seq_len, cfg.vocab_size, args.seed
-    )
+    batches = make_batches(args.warmup + args.steps + 1, args.batch_size, args.seq_len, cfg.vocab_size, args.seed)
     sd = reference_state_dict(cfg, args.seed)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in only}
     pairs: list[float] = []  # per-step (b)/(a) time ratios = (a)/(b) tokens/s ratios

@@ -20,6 +20,7 @@ from torchmetrics.text import Perplexity
 
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
+from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.grad_clip import clip_grad_norm_
 from kempnerforge.parallel.mesh import ParallelDims
 from kempnerforge.parallel.tensor_parallel import validate_tp
@@ -127,7 +128,7 @@ class CausalLM(LightningModule):
         """Logits ``(batch, seq, vocab_size)`` for ``input_ids`` ``(batch, seq)``, always a plain tensor
         (vocab-sharded tensor-parallel logits are all-gathered)."""
         logits = self.model(input_ids)
-        return logits.full_tensor() if isinstance(logits, DTensor) else logits
+        return to_full(logits)
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -207,11 +208,10 @@ class CausalLM(LightningModule):
         """Divide the step's gradients by its global target-token count and log the step loss
         (``train/loss``, mean per target token of the global batch), then clip to ``grad_clip`` by the
         true global norm (DTensor-aware) and log that norm."""
-        global_loss, _ = self._step_tokens.finish(
-            self.model.parameters(), self._dp_group(), self.trainer.accumulate_grad_batches
-        )
+        global_loss, _, scale = self._step_tokens.finish(self._dp_group(), self.trainer.accumulate_grad_batches)
         self.log("train/loss", global_loss, prog_bar=True, rank_zero_only=True)
-        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        # The token normalization rides on the clipping multiply: one pass over the gradients.
+        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, grad_scale=scale)
         self.log("train/grad_norm", norm, rank_zero_only=True)
 
     # -- checkpoint extras ----------------------------------------------------------------------

@@ -108,7 +108,14 @@ class KempnerStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._degrees = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+        self._degrees = {
+            "dp_replicate": dp_replicate,
+            "dp_shard": dp_shard,
+            "tp": tp,
+            "pp": pp,
+            "cp": cp,
+            "ep": ep,
+        }
         # Validate what needs no world size now, so a bad config fails before any process starts.
         validate_degrees(**self._degrees)
         for name, flag in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
@@ -239,7 +246,11 @@ class KempnerStrategy(ModelParallelStrategy):
         # A position saved under another dp degree is remapped exactly; the global batch must be kept.
         datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
         merge_rank_state(
-            meta, meta.pop("rank_state"), dp.get_local_rank(), dp.size(), getattr(datamodule, "micro_batch_size", None)
+            meta,
+            meta.pop("rank_state"),
+            dp.get_local_rank(),
+            dp.size(),
+            getattr(datamodule, "micro_batch_size", None),
         )
         return meta
 

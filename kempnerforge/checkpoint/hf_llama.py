@@ -81,9 +81,7 @@ def from_hf_config(hf_cfg) -> ModelConfig:
     """
     rope = dict(getattr(hf_cfg, "rope_parameters", None) or {})
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"LlamaConfig rope_type={rope.get('rope_type')!r} is not supported; allowed: 'default'"
-        )
+        raise ValueError(f"LlamaConfig rope_type={rope.get('rope_type')!r} is not supported; allowed: 'default'")
     for field in ("attention_bias", "mlp_bias"):
         if getattr(hf_cfg, field, False):
             raise ValueError(f"LlamaConfig.{field}=True is not supported; allowed: False")
@@ -121,9 +119,7 @@ def _is_tied(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None) -> bool:
     return emb is not None and head.shape == emb.shape and head.data_ptr() == emb.data_ptr() != 0
 
 
-def to_hf_state_dict(
-    sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None = None
-) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """Rename our state dict to HF ``LlamaForCausalLM`` keys (tensors are not copied).
 
     With tied embeddings (``cfg.tie_embeddings``, or without ``cfg`` when ``output.weight`` is
@@ -179,9 +175,7 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
             continue
         match = _HF_BLOCK.match(key)
         if match is None or match.group(2) not in _BLOCK_KEYS_INV or int(match.group(1)) >= cfg.n_layers:
-            raise KeyError(
-                f"from_hf_state_dict: no kempnerforge name for HF key {key!r} (n_layers={cfg.n_layers})"
-            )
+            raise KeyError(f"from_hf_state_dict: no kempnerforge name for HF key {key!r} (n_layers={cfg.n_layers})")
         out[f"layers.{match.group(1)}.{_BLOCK_KEYS_INV[match.group(2)]}"] = value
     if cfg.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]

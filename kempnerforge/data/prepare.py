@@ -91,9 +91,7 @@ def load_tokenizer(tokenizer: str | os.PathLike) -> LocalTokenizer:
     """
     path = Path(tokenizer).expanduser().resolve()
     if not path.exists():
-        raise FileNotFoundError(
-            f"tokenizer: {str(tokenizer)!r} does not exist; expected a local tokenizer directory"
-        )
+        raise FileNotFoundError(f"tokenizer: {str(tokenizer)!r} does not exist; expected a local tokenizer directory")
     tok_dir = path.parent if path.is_file() else path
     tok_json = path if path.is_file() else path / "tokenizer.json"
     if tok_json.is_file():
@@ -193,9 +191,7 @@ def _iter_hf_text(dataset: Any, text_field: str, source: str, batch_size: int) -
     """
 
     def missing(columns: list[str]) -> KeyError:
-        return KeyError(
-            f"text_field={text_field!r} is not a column of {source!r}; columns: {sorted(columns)}"
-        )
+        return KeyError(f"text_field={text_field!r} is not a column of {source!r}; columns: {sorted(columns)}")
 
     columns = dataset.column_names  # None for a stream whose schema is unknown until read
     if columns is not None:
@@ -209,18 +205,14 @@ def _iter_hf_text(dataset: Any, text_field: str, source: str, batch_size: int) -
                 raise missing(list(batch))
             for text in batch[text_field]:
                 if text is not None and not isinstance(text, str):
-                    raise TypeError(
-                        f"text_field={text_field!r} of {source!r} holds {type(text).__name__}, not str"
-                    )
+                    raise TypeError(f"text_field={text_field!r} of {source!r} holds {type(text).__name__}, not str")
                 yield text or "", True
 
     return rows()
 
 
 def _files_with(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    return sorted(
-        p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes and not p.name.startswith(".")
-    )
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes and not p.name.startswith("."))
 
 
 def _load_from_disk(path: Path) -> Any:
@@ -267,9 +259,7 @@ def iter_source(
         "json": _JSON_SUFFIXES,
         "parquet": _PARQUET_SUFFIXES,
     }
-    found = {
-        k: ([f for f in files if f.suffix in s] if files else _files_with(path, s)) for k, s in groups.items()
-    }
+    found = {k: ([f for f in files if f.suffix in s] if files else _files_with(path, s)) for k, s in groups.items()}
     kinds = [k for k, v in found.items() if v]
     allowed = "one .txt/.json/.jsonl/.parquet file, a folder of them, or a datasets.save_to_disk folder"
     if not kinds:
@@ -505,9 +495,7 @@ def prepare_main(argv: list[str] | None = None) -> None:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(prog="kforge prepare-data", description=prepare_data.__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--config", action=ActionConfigFile, help="YAML file with any of the arguments below."
-    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the arguments below.")
     parser.add_function_arguments(prepare_data, as_group=False)
     cfg = parser.parse_args(argv).as_dict()
     cfg.pop("config", None)

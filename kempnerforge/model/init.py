@@ -51,9 +51,7 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
         ValueError: if the global shapes differ.
     """
     if tuple(full.shape) != tuple(param.shape):
-        raise ValueError(
-            f"copy_full_: full tensor shape {tuple(full.shape)} != param shape {tuple(param.shape)}"
-        )
+        raise ValueError(f"copy_full_: full tensor shape {tuple(full.shape)} != param shape {tuple(param.shape)}")
     if isinstance(param, DTensor):
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())

@@ -99,9 +99,7 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
         block["attention"] = PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         )
-        block["feed_forward"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        )
+        block["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     if config.qk_norm:
         block["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         block["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -80,9 +80,7 @@ class Transformer(nn.Module):
 
         The strategy applies it with :func:`kempnerforge.parallel.tensor_parallel.apply_tp`.
         """
-        return dense_decoder_tp_plan(
-            self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
-        )
+        return dense_decoder_tp_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab_size) for ``tokens`` (batch, seq) at positions 0..seq-1.
@@ -92,9 +90,7 @@ class Transformer(nn.Module):
         """
         seq = tokens.shape[1]
         if seq > self.rope_cos.shape[0]:
-            raise ValueError(
-                f"sequence length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}"
-            )
+            raise ValueError(f"sequence length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}")
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():

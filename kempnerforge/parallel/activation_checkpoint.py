@@ -98,9 +98,7 @@ def validate_ac(mode: str, every_n: int) -> None:
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpointing={mode!r} is not allowed; choose one of {list(AC_MODES)}.")
     if isinstance(every_n, bool) or not isinstance(every_n, int) or every_n < 1:
-        raise ValueError(
-            f"ac_every_n={every_n!r} is not allowed: use an integer >= 1 (1 checkpoints every block)."
-        )
+        raise ValueError(f"ac_every_n={every_n!r} is not allowed: use an integer >= 1 (1 checkpoints every block).")
 
 
 def _save_matmul_attention_topk(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -131,9 +129,7 @@ def wrap_block(block: nn.Module, context_fn: Callable | None = None) -> Checkpoi
     needs no RNG replay (a block type with dropout must not be registered without revisiting this).
     """
     kwargs = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint_wrapper(
-        block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **kwargs
-    )
+    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False, **kwargs)
 
 
 def apply_ac(model: nn.Module, mode: str = "none", every_n: int = 2) -> list[str]:

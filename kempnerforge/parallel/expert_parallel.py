@@ -48,6 +48,4 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"ep={ep} needs MoE layers, but the model has none; use ep=1.")
-    raise ValueError(
-        f"ep={ep}: expert sharding of {len(layers)} MoE layers is not available in this build; use ep=1."
-    )
+    raise ValueError(f"ep={ep}: expert sharding of {len(layers)} MoE layers is not available in this build; use ep=1.")

@@ -122,9 +122,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     """
     record_step(model, "tp")
     if not callable(getattr(model, "tp_plan", None)):
-        raise TypeError(
-            f"{type(model).__name__} declares no tp_plan(); tensor parallelism cannot be applied."
-        )
+        raise TypeError(f"{type(model).__name__} declares no tp_plan(); tensor parallelism cannot be applied.")
     plan = model.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
     if not plan.root and not plan.block:

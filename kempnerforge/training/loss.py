@@ -8,7 +8,6 @@ losses is divided by the global token count, as in torchtitan and Megatron-LM.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -51,9 +50,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                 logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
         return loss.full_tensor()  # Replicate over TP already: no communication
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def global_token_cross_entropy(
@@ -114,16 +111,17 @@ class StepTokenNormalizer:
     The exact objective of a step with gradient accumulation is ``sum of token losses / N`` where ``N``
     counts the target tokens (``IGNORE_INDEX`` excluded) of every micro-batch on every data-parallel
     rank. ``N`` is only known after the last micro-batch, but the gradient is linear in ``1/N``, so
-    each micro-batch backpropagates its un-normalized sum and :meth:`finish` rescales the accumulated
-    gradients once, after one all-reduce of ``(loss sum, token count)`` per step. torchtitan gets the
+    each micro-batch backpropagates its un-normalized sum and the accumulated gradients are rescaled
+    once, after one all-reduce of ``(loss sum, token count)`` per step. torchtitan gets the
     same result by counting the step's tokens before the forward passes; here no batch has to be
     fetched ahead of Lightning's loop, and a shorter last window of an epoch is normalized by the
     tokens it really had. With padding, 4 accumulated micro-batches give exactly the gradient of one
     batch 4x larger (up to fp32 rounding of the sum order).
 
     Usage per micro-batch: ``loss = normalizer.add(loss_sum, n_targets, dp_size, new_step)`` (return it
-    from ``training_step``); before the optimizer step (before clipping):
-    ``mean, n = normalizer.finish(params, group, accumulate_grad_batches)``.
+    from ``training_step``); before the optimizer step:
+    ``mean, n, scale = normalizer.finish(group, accumulate_grad_batches)``, then
+    ``clip_grad_norm_(params, max_norm, grad_scale=scale)`` (which also applies ``scale`` when not clipping).
     """
 
     def __init__(self) -> None:
@@ -151,24 +149,23 @@ class StepTokenNormalizer:
         return loss_sum * dp_size
 
     def finish(
-        self,
-        parameters: Iterable[torch.Tensor],
-        group: dist.ProcessGroup | None = None,
-        accumulate_grad_batches: int = 1,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-reduce the step's loss sum and token count, and scale the gradients in place.
+        self, group: dist.ProcessGroup | None = None, accumulate_grad_batches: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """All-reduce the step's loss sum and token count; return the factor that normalizes the gradients.
 
-        Lightning divided each micro-batch loss by ``accumulate_grad_batches``, so gradients are
-        multiplied by ``accumulate_grad_batches / N`` (``N`` clamped to >= 1).
+        Lightning divided each micro-batch loss by ``accumulate_grad_batches``, so the gradients must be
+        multiplied by ``accumulate_grad_batches / N`` (``N`` clamped to >= 1). The caller applies it,
+        folded into clipping (:func:`kempnerforge.parallel.grad_clip.clip_grad_norm_`'s ``grad_scale``),
+        so the gradients are touched once.
 
         Args:
-            parameters: the model's parameters (plain tensors or DTensors; ``.grad`` None is skipped).
             group: data-parallel process group (None: this process alone).
             accumulate_grad_batches: the trainer's ``accumulate_grad_batches``.
 
         Returns:
-            ``(mean_loss, n_global)``: the step's mean loss per target token over the global batch
-            (fp32 scalar, nats) and the global target-token count (fp32 scalar).
+            ``(mean_loss, n_global, grad_scale)``: the step's mean loss per target token over the
+            global batch (fp32 scalar, nats), the global target-token count (fp32 scalar) and the
+            gradient factor (float).
 
         Raises:
             RuntimeError: no micro-batch was recorded since the last :meth:`finish`.
@@ -180,8 +177,4 @@ class StepTokenNormalizer:
             dist.all_reduce(stats, group=group)
         n_global = stats[1].clamp(min=1)
         scale = float(accumulate_grad_batches / n_global)
-        with torch.no_grad():
-            for p in parameters:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return (stats[0] / n_global).float(), stats[1].float()
+        return (stats[0] / n_global).float(), stats[1].float(), scale

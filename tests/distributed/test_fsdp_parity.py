@@ -32,8 +32,17 @@ def test_exact_resume_two_processes(shakespeare_tokens, tmp_path):
     """20 steps straight vs 10 steps, stop, resume for 10 more: identical losses for steps 11-20."""
     straight = train(2, shakespeare_tokens, tmp_path / "straight.json", "--steps", "20")
     ckpt = tmp_path / "ckpt"
-    first = train(2, shakespeare_tokens, tmp_path / "first.json", "--steps", "10",
-                  "--ckpt-dir", str(ckpt), "--ckpt-every", "10")
+    first = train(
+        2,
+        shakespeare_tokens,
+        tmp_path / "first.json",
+        "--steps",
+        "10",
+        "--ckpt-dir",
+        str(ckpt),
+        "--ckpt-every",
+        "10",
+    )
     assert (ckpt / "latest").read_text().strip() == "step=0010.ckpt"
     resumed = train(2, shakespeare_tokens, tmp_path / "resumed.json", "--steps", "20", "--resume", str(ckpt))
     assert first["losses"] == straight["losses"][:10]

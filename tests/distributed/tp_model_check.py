@@ -17,12 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
+from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.tensor_parallel import apply_tp
 from kempnerforge.training.loss import IGNORE_INDEX, cross_entropy_sum, loss_parallel_context
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def run_variant(mesh, *, sp: bool, lp: bool, tie: bool, qk_norm: bool) -> dict:
@@ -64,7 +61,7 @@ def run_variant(mesh, *, sp: bool, lp: bool, tie: bool, qk_norm: bool) -> dict:
     ref_params = dict(ref.named_parameters())
     grad_rel = 0.0
     for name, p in tp_model.named_parameters():
-        g, rg = _full(p.grad), ref_params[name].grad
+        g, rg = to_full(p.grad), ref_params[name].grad
         grad_rel = max(grad_rel, float((g - rg).norm() / rg.norm().clamp(min=1e-12)))
     n_dtensor = sum(isinstance(p, DTensor) for p in tp_model.parameters())
     return {

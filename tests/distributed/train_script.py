@@ -45,8 +45,15 @@ class Recorder(Callback):
 def tiny_config(vocab_size: int = 50257, tie: bool = False) -> ModelConfig:
     """The model every distributed test trains: dim 64, 2 layers, GQA."""
     return ModelConfig(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size, max_seq_len=64,
-        multiple_of=32, rope_theta=10000.0, tie_embeddings=tie,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=vocab_size,
+        max_seq_len=64,
+        multiple_of=32,
+        rope_theta=10000.0,
+        tie_embeddings=tie,
     )
 
 
@@ -85,22 +92,37 @@ def main() -> None:
         scheduler=SchedulerConfig(warmup_steps=5, total_steps=40),
         grad_clip=1.0,
     )
-    data = TokenDataModule(data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch,
-                           val_fraction=0.1, seed=0)
+    data = TokenDataModule(
+        data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch, val_fraction=0.1, seed=0
+    )
     recorder = Recorder()
     callbacks = [recorder]
     if args.ckpt_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="step={step:04d}",
-                                         auto_insert_metric_name=False, every_n_train_steps=args.ckpt_every,
-                                         save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir,
+                filename="step={step:04d}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=args.ckpt_every,
+                save_top_k=-1,
+            )
+        )
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=KempnerStrategy(dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp,
-                                 sequence_parallel=args.sequence_parallel, loss_parallel=not args.no_loss_parallel,
-                                 activation_checkpointing=args.ac, ac_every_n=args.ac_every_n,
-                                 compile=args.compile, float8_recipe=args.float8,
-                                 float8_all_gather=args.float8_all_gather, mixed_precision_param=args.param_dtype),
+        strategy=KempnerStrategy(
+            dp_shard=args.dp_shard,
+            dp_replicate=args.dp_replicate,
+            tp=args.tp,
+            sequence_parallel=args.sequence_parallel,
+            loss_parallel=not args.no_loss_parallel,
+            activation_checkpointing=args.ac,
+            ac_every_n=args.ac_every_n,
+            compile=args.compile,
+            float8_recipe=args.float8,
+            float8_all_gather=args.float8_all_gather,
+            mixed_precision_param=args.param_dtype,
+        ),
         max_steps=args.steps,
         limit_val_batches=0,
         logger=False,
@@ -112,8 +134,15 @@ def main() -> None:
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
     if trainer.global_rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": recorder.losses, "grad_norms": recorder.grad_norms, "steps": recorder.steps,
-                       "clipped_norms": recorder.clipped_norms}, f)
+            json.dump(
+                {
+                    "losses": recorder.losses,
+                    "grad_norms": recorder.grad_norms,
+                    "steps": recorder.steps,
+                    "clipped_norms": recorder.clipped_norms,
+                },
+                f,
+            )
     if args.record_batches:
         coords = trainer.strategy.parallel_mesh.coordinates()
         with open(os.path.join(args.record_batches, f"rank{trainer.global_rank}.json"), "w") as f:

@@ -24,16 +24,29 @@ def test_fit_help_documents_model_data_and_strategy_arguments():
     proc = _kforge("fit", "--config", "configs/debug.yaml", "--help")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for arg in ("--model.config.n_kv_heads", "--model.optimizer.lr", "--model.scheduler.warmup_steps",
-                "--data.micro_batch_size", "--data.seq_len", "--trainer.max_steps"):
+    for arg in (
+        "--model.config.n_kv_heads",
+        "--model.optimizer.lr",
+        "--model.scheduler.warmup_steps",
+        "--data.micro_batch_size",
+        "--data.seq_len",
+        "--trainer.max_steps",
+    ):
         assert arg in out, arg
     assert "Peak learning rate" in out  # field docstrings become the help text
     assert "Number of key/value heads" in out or "n_kv_heads" in out
 
 
 def test_print_config_applies_overrides():
-    proc = _kforge("fit", "--config", "configs/debug.yaml", "--trainer.max_steps=50",
-                   "--model.optimizer.lr=1e-3", "--trainer.strategy.init_args.dp_shard=1", "--print_config")
+    proc = _kforge(
+        "fit",
+        "--config",
+        "configs/debug.yaml",
+        "--trainer.max_steps=50",
+        "--model.optimizer.lr=1e-3",
+        "--trainer.strategy.init_args.dp_shard=1",
+        "--print_config",
+    )
     assert proc.returncode == 0, proc.stderr
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["trainer"]["max_steps"] == 50
@@ -54,8 +67,15 @@ def test_bad_config_value_names_the_field():
 def test_prepare_data_hangs_off_the_same_entry_point(tmp_path, shakespeare_text, gpt2_tokenizer_dir):
     src = tmp_path / "a.txt"
     src.write_text(shakespeare_text.read_text()[:5000])
-    proc = _kforge("prepare-data", "--source", str(src), "--tokenizer", str(gpt2_tokenizer_dir),
-                   "--output_dir", str(tmp_path / "tok"))
+    proc = _kforge(
+        "prepare-data",
+        "--source",
+        str(src),
+        "--tokenizer",
+        str(gpt2_tokenizer_dir),
+        "--output_dir",
+        str(tmp_path / "tok"),
+    )
     assert proc.returncode == 0, proc.stderr
     meta = yaml.safe_load((tmp_path / "tok" / "metadata.json").read_text())
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 50257 and meta["num_tokens"] > 1000
@@ -64,17 +84,28 @@ def test_prepare_data_hangs_off_the_same_entry_point(tmp_path, shakespeare_text,
 @pytest.mark.slow
 def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_tokens):
     """The debug recipe for 8 steps on 2 processes writes a DCP checkpoint that a second run resumes."""
-    common = ["fit", "--config", "configs/debug.yaml", f"--data.data_dir={shakespeare_tokens}",
-              "--data.seq_len=64", "--data.micro_batch_size=2", "--trainer.val_check_interval=4",
-              "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
-              f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
-              f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-              "--trainer.callbacks.init_args.every_n_train_steps=4", "--trainer.devices=2"]
+    common = [
+        "fit",
+        "--config",
+        "configs/debug.yaml",
+        f"--data.data_dir={shakespeare_tokens}",
+        "--data.seq_len=64",
+        "--data.micro_batch_size=2",
+        "--trainer.val_check_interval=4",
+        "--trainer.limit_val_batches=2",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
+        "--trainer.callbacks.init_args.every_n_train_steps=4",
+        "--trainer.devices=2",
+    ]
     proc = _kforge(*common, "--trainer.max_steps=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000004.ckpt"
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step=000004.ckpt").glob("rank_*.pt")) == [
-        "rank_00000.pt", "rank_00001.pt"]
+        "rank_00000.pt",
+        "rank_00001.pt",
+    ]
     proc = _kforge(*common, "--trainer.max_steps=8", f"--ckpt_path={tmp_path / 'ckpt'}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000008.ckpt"

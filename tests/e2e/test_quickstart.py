@@ -19,11 +19,20 @@ REPO = Path(__file__).resolve().parents[2]
 def test_debug_recipe_reaches_val_loss_below_6(tmp_path):
     """Full `kforge fit --config configs/debug.yaml` (100 steps of 2k tokens), logs redirected to tmp_path."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "kempnerforge.cli", "fit", "--config", "configs/debug.yaml",
-           f"--data.data_dir={tmp_path / 'tokens'}", "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
-           "--trainer.logger.class_path=lightning.pytorch.loggers.CSVLogger",
-           f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
-           f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kempnerforge.cli",
+        "fit",
+        "--config",
+        "configs/debug.yaml",
+        f"--data.data_dir={tmp_path / 'tokens'}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.logger.class_path=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - start

@@ -65,9 +65,7 @@ def _run(tmp_path, name: str, nproc: int, dp: int, *extra: str, data) -> dict:
 @pytest.fixture(scope="module")
 def bf16_single(shakespeare_tokens, tmp_path_factory):
     """1 GPU, bf16 compute (FSDP2 MixedPrecisionPolicy), no FP8: the FP8 reference."""
-    return _run(
-        tmp_path_factory.mktemp("bf16"), "bf16", 1, 1, "--param-dtype", "bfloat16", data=shakespeare_tokens
-    )
+    return _run(tmp_path_factory.mktemp("bf16"), "bf16", 1, 1, "--param-dtype", "bfloat16", data=shakespeare_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +79,7 @@ def fp32_single(shakespeare_tokens, tmp_path_factory):
 def test_fp8_training_on_one_gpu(recipe, bf16_single, shakespeare_tokens, tmp_path):
     if recipe == "rowwise" and _capability() < (9, 0):
         pytest.skip("rowwise FP8 GEMMs (CUTLASS) need sm90")
-    record = _run(
-        tmp_path, recipe, 1, 1, "--param-dtype", "bfloat16", "--float8", recipe, data=shakespeare_tokens
-    )
+    record = _run(tmp_path, recipe, 1, 1, "--param-dtype", "bfloat16", "--float8", recipe, data=shakespeare_tokens)
     losses, reference = record["losses"], bf16_single["losses"]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
     assert losses == pytest.approx(reference, rel=3e-2)

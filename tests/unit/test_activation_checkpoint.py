@@ -92,9 +92,7 @@ def test_selective_op_saves_matmuls_and_attention_but_recomputes_the_rest():
         counts[mode] = ops.counts
     none, full, sop = counts["none"], counts["full"], counts["selective_op"]
     sdpa = "_scaled_dot_product_flash_attention_for_cpu"
-    assert (
-        full["mm"] > none["mm"] and full.get(sdpa, 0) == CFG.n_layers
-    )  # full AC recomputes matmuls and attention
+    assert full["mm"] > none["mm"] and full.get(sdpa, 0) == CFG.n_layers  # full AC recomputes matmuls and attention
     assert sop["mm"] == none["mm"] and sop.get(sdpa, 0) == 0  # selective_op serves them from its cache
     assert none.get("silu", 0) == 0 and sop["silu"] == CFG.n_layers  # ...and recomputes the cheap ops
 

@@ -128,13 +128,8 @@ def test_remapped_position_resumes_the_same_samples():
     from kempnerforge.data.datamodule import ResumableDistributedSampler
 
     data = list(range(103))
-    two = [
-        list(ResumableDistributedSampler(data, num_replicas=2, rank=r, seed=5, drop_last=True))
-        for r in range(2)
-    ]
-    (state,) = remap_loader_state(
-        _loader_state(batches=3, micro_batch=4), saved_dp=2, dp=1, micro_batch_size=8
-    )
+    two = [list(ResumableDistributedSampler(data, num_replicas=2, rank=r, seed=5, drop_last=True)) for r in range(2)]
+    (state,) = remap_loader_state(_loader_state(batches=3, micro_batch=4), saved_dp=2, dp=1, micro_batch_size=8)
     one = ResumableDistributedSampler(data, num_replicas=1, rank=0, seed=5, drop_last=True)
     one.load_state_dict(state["_sampler_iter_state"]["sampler_state"])
     next_global = sorted(two[0][12:16] + two[1][12:16])  # step 4 at dp=2: 4 samples on each rank
@@ -158,6 +153,4 @@ def test_remap_refuses_indivisible_positions_and_a_changed_global_batch():
         match=r"must keep the global batch: saved micro_batch_size\*dp = 4\*2 = 8, this run has 4\*1 = 4. "
         r"Set micro_batch_size=8",
     ):
-        merge_rank_state(
-            ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=1, micro_batch_size=4
-        )
+        merge_rank_state(ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=1, micro_batch_size=4)

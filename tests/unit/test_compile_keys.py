@@ -18,6 +18,7 @@ from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer, canonical_fqn
 from kempnerforge.parallel.activation_checkpoint import apply_ac
 from kempnerforge.parallel.compile import apply_compile
+from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.order import TransformOrderError, record_step
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, multiple_of=16)
@@ -66,16 +67,14 @@ def test_keys_identical_with_and_without_compile_and_ac(gloo_world_1, ac, compil
         assert any("_checkpoint_wrapped_module" in n for n, _ in transformed_model.named_parameters())
     transformed = _keys(transformed_model)
     assert transformed == plain
-    assert not any(
-        "_orig_mod" in k or "_checkpoint_wrapped_module" in k for ks in transformed.values() for k in ks
-    )
+    assert not any("_orig_mod" in k or "_checkpoint_wrapped_module" in k for ks in transformed.values() for k in ks)
 
 
 def test_weights_identical_with_and_without_ac_and_compile(gloo_world_1):
     """Init is keyed by the canonical FQN, so the wrappers do not change the initial weights."""
     plain, transformed = _build("none", False, True), _build("full", True, True)
-    a = {canonical_fqn(n): p.full_tensor() for n, p in plain.named_parameters()}
-    b = {canonical_fqn(n): p.full_tensor() for n, p in transformed.named_parameters()}
+    a = {canonical_fqn(n): to_full(p) for n, p in plain.named_parameters()}
+    b = {canonical_fqn(n): to_full(p) for n, p in transformed.named_parameters()}
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
 

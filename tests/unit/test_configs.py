@@ -17,8 +17,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_recipe_instantiates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # loggers and checkpoint dirs land here, not in the repo
-    cli = KForgeCLI(CausalLM, TokenDataModule, args=["--config", str(path)], run=False,
-                    auto_configure_optimizers=False)
+    cli = KForgeCLI(CausalLM, TokenDataModule, args=["--config", str(path)], run=False, auto_configure_optimizers=False)
     assert isinstance(cli.model, CausalLM)
     assert isinstance(cli.trainer.strategy, KempnerStrategy)
     assert cli.datamodule.vocab_size == cli.model.config.vocab_size

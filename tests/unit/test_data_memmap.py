@@ -50,9 +50,7 @@ def test_windows_and_labels_match_raw_tokens(prepared):
     raw = [np.load(prepared / s["file"]).astype(np.int64) for s in meta["shards"]]
     ds = MemmapTokenDataset(prepared, seq_len)
     # Expected windows, shard by shard: never across a shard boundary.
-    expected = [
-        r[k * seq_len : k * seq_len + seq_len + 1] for r in raw for k in range((len(r) - 1) // seq_len)
-    ]
+    expected = [r[k * seq_len : k * seq_len + seq_len + 1] for r in raw for k in range((len(r) - 1) // seq_len)]
     assert len(ds) == len(expected) == sum((len(r) - 1) // seq_len for r in raw)
     for i in (0, 1, 20, 21, len(ds) - 1):  # 1400-token shards hold 21 windows of 64
         item = ds[i]
@@ -92,9 +90,7 @@ def test_missing_folder_and_metadata(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"data_dir .*nowhere.* does not exist"):
         MemmapTokenDataset(tmp_path / "nowhere", 8)
     np.save(tmp_path / "shard_00000.npy", np.arange(10, dtype=np.uint16))
-    with pytest.raises(
-        FileNotFoundError, match=r"metadata.json' not found: data_dir is not a prepared token folder"
-    ):
+    with pytest.raises(FileNotFoundError, match=r"metadata.json' not found: data_dir is not a prepared token folder"):
         MemmapTokenDataset(tmp_path, 8)
 
 
@@ -107,9 +103,7 @@ def test_no_shards(tmp_path):
 def test_listed_shard_missing(tmp_path):
     write_folder(tmp_path, [np.arange(50), np.arange(50)])
     (tmp_path / "shard_00001.npy").unlink()
-    with pytest.raises(
-        FileNotFoundError, match=r"shard .*shard_00001.npy' is listed in metadata.json but missing"
-    ):
+    with pytest.raises(FileNotFoundError, match=r"shard .*shard_00001.npy' is listed in metadata.json but missing"):
         MemmapTokenDataset(tmp_path, 8)
 
 
@@ -137,9 +131,7 @@ def test_token_count_disagrees_with_metadata(tmp_path):
 
 
 def test_tokenizer_vocab_larger_than_model(prepared):
-    with pytest.raises(
-        TokenDataError, match=r"vocab_size=50257 .* but the model's vocab_size=50000; .* >= 50257"
-    ):
+    with pytest.raises(TokenDataError, match=r"vocab_size=50257 .* but the model's vocab_size=50000; .* >= 50257"):
         MemmapTokenDataset(prepared, 64, vocab_size=50000)
 
 
@@ -161,18 +153,14 @@ def test_short_shard_names_shard_and_count(tmp_path):
 
 def test_single_shard_shorter_than_one_window(tmp_path):
     write_folder(tmp_path, [np.arange(8)])
-    with pytest.raises(
-        TokenDataError, match=r"shard 'shard_00000.npy' .* has 8 tokens, fewer than one window"
-    ):
+    with pytest.raises(TokenDataError, match=r"shard 'shard_00000.npy' .* has 8 tokens, fewer than one window"):
         MemmapTokenDataset(tmp_path, 8)
 
 
 def test_short_last_shard_is_skipped_with_warning(tmp_path):
     """The remainder shard of a corpus (not a multiple of shard_size) is dropped, not an error."""
     write_folder(tmp_path, [np.arange(50), np.arange(3)])
-    with pytest.warns(
-        UserWarning, match=r"last shard 'shard_00001.npy' .* has 3 tokens, fewer than seq_len \+ 1 = 9"
-    ):
+    with pytest.warns(UserWarning, match=r"last shard 'shard_00001.npy' .* has 3 tokens, fewer than seq_len \+ 1 = 9"):
         ds = MemmapTokenDataset(tmp_path, 8)
     assert len(ds) == 6 and ds[5]["labels"].tolist() == list(range(41, 49))
 
@@ -181,9 +169,7 @@ def test_corrupt_shard_names_file(tmp_path):
     write_folder(tmp_path, [np.arange(50), np.arange(50)])
     path = tmp_path / "shard_00001.npy"
     path.write_bytes(path.read_bytes()[:-20])  # truncated mid-data
-    with pytest.raises(
-        TokenDataError, match=r"shard .*shard_00001.npy' is corrupt or truncated: np.load failed"
-    ):
+    with pytest.raises(TokenDataError, match=r"shard .*shard_00001.npy' is corrupt or truncated: np.load failed"):
         MemmapTokenDataset(tmp_path, 8)
     path.write_bytes(b"not a npy file")
     with pytest.raises(TokenDataError, match=r"shard_00001.npy' is corrupt or truncated"):

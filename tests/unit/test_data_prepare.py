@@ -146,9 +146,7 @@ def test_shard_splitting(tmp_path, tok, text):
     src.write_text(text)
     meta = run(src, tmp_path / "out", shard_size=1000)
     sizes = [s["num_tokens"] for s in meta["shards"]]
-    assert (
-        sizes[:-1] == [1000] * (len(sizes) - 1) and 0 < sizes[-1] <= 1000 and sum(sizes) == meta["num_tokens"]
-    )
+    assert sizes[:-1] == [1000] * (len(sizes) - 1) and 0 < sizes[-1] <= 1000 and sum(sizes) == meta["num_tokens"]
     assert [s["file"] for s in meta["shards"]] == [f"shard_{i:05d}.npy" for i in range(len(sizes))]
     assert read_tokens(tmp_path / "out").tolist() == encode_docs(tok, [text])
 
@@ -230,9 +228,7 @@ def test_cli_prepare_main(tmp_path, tok, capsys):
     src = tmp_path / "a.txt"
     src.write_text("Hello world")
     out = tmp_path / "out"
-    prepare_main(
-        ["--source", str(src), "--tokenizer", str(TOKENIZER), "--output_dir", str(out), "--progress=false"]
-    )
+    prepare_main(["--source", str(src), "--tokenizer", str(TOKENIZER), "--output_dir", str(out), "--progress=false"])
     assert read_tokens(out).tolist() == [15496, 995, EOS]
     assert "wrote 3 tokens (1 documents, 1 shards, uint16)" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -52,9 +52,7 @@ def loader(n: int, batch: int, replicas: int = 1, rank: int = 0, workers: int = 
     sampler = ResumableDistributedSampler(
         Indices(n), num_replicas=replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
     )
-    dl = StatefulDataLoader(
-        Indices(n), batch_size=batch, sampler=sampler, drop_last=True, num_workers=workers
-    )
+    dl = StatefulDataLoader(Indices(n), batch_size=batch, sampler=sampler, drop_last=True, num_workers=workers)
     return dl, sampler
 
 
@@ -143,9 +141,7 @@ def test_lightning_resume_mid_second_epoch_is_exact(prepared, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def fit(model, steps, **kw):
-        dm = TokenDataModule(
-            str(prepared), seq_len=64, micro_batch_size=4, val_fraction=0.1, vocab_size=50304
-        )
+        dm = TokenDataModule(str(prepared), seq_len=64, micro_batch_size=4, val_fraction=0.1, vocab_size=50304)
         trainer = L.Trainer(
             max_steps=steps,
             accelerator="cpu",
@@ -162,9 +158,7 @@ def test_lightning_resume_mid_second_epoch_is_exact(prepared, tmp_path):
 
     ref = Recorder()
     trainer = fit(ref, 40)  # 20 steps per epoch: two epochs
-    assert trainer.current_epoch == 2 and isinstance(
-        trainer.train_dataloader.sampler, ResumableDistributedSampler
-    )
+    assert trainer.current_epoch == 2 and isinstance(trainer.train_dataloader.sampler, ResumableDistributedSampler)
     first = Recorder()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=27, save_top_k=-1)
     fit(first, 27, callbacks=[ckpt])
@@ -185,10 +179,7 @@ def test_setup_split_sizes_and_batches(prepared):
         whole[93]["input_ids"].tolist(),
     ]
     batch = next(iter(dm.train_dataloader()))
-    assert (
-        batch["input_ids"].shape == batch["labels"].shape == (4, 64)
-        and batch["input_ids"].dtype == torch.long
-    )
+    assert batch["input_ids"].shape == batch["labels"].shape == (4, 64) and batch["input_ids"].dtype == torch.long
     assert len(dm.train_dataloader()) == 84 // 4
     val = dm.val_dataloader()
     assert len(val) == 3 and [b["input_ids"].shape[0] for b in val] == [
@@ -209,9 +200,7 @@ def test_val_fraction_zero_disables_validation(prepared):
 def test_dp_rank_and_size_come_from_the_strategy(prepared):
     dm = TokenDataModule(str(prepared), seq_len=64, micro_batch_size=4)
     assert dm.dp_rank_and_size() == (0, 1)
-    dm.trainer = SimpleNamespace(
-        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1})
-    )
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1}))
     sampler = dm.train_dataloader().sampler
     assert (sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.drop_last) == (2, 1, True, True)
     assert dm.val_dataloader().sampler.shuffle is False
@@ -239,14 +228,10 @@ def test_prepare_data_hook_refuses_foreign_files(source, tmp_path):
 
 
 def test_setup_errors(prepared, tmp_path):
-    with pytest.raises(
-        ValueError, match=r"has 1 windows of seq_len \+ 1 = 4001 tokens: too few for val_fraction"
-    ):
+    with pytest.raises(ValueError, match=r"has 1 windows of seq_len \+ 1 = 4001 tokens: too few for val_fraction"):
         TokenDataModule(str(prepared), seq_len=4000).setup("fit")
     dm = TokenDataModule(str(prepared), seq_len=64, micro_batch_size=64, val_fraction=0.1)
-    dm.trainer = SimpleNamespace(
-        strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 0})
-    )
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 0}))
     with pytest.raises(
         ValueError, match=r"train split .* has 84 windows .* fewer than one global batch of .* 64 \* 2 = 128"
     ):

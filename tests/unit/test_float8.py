@@ -13,6 +13,7 @@ from torch import nn
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
 from kempnerforge.parallel import float8 as f8
+from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.float8 import (
     Float8ConfigError,
     apply_float8,
@@ -25,9 +26,7 @@ pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 # ffn_hidden_dim=40: w1/w3 (32 -> 40) and w2 (40 -> 32) are not multiples of 16 and must stay nn.Linear.
-CFG = ModelConfig(
-    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=40
-)
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=40)
 
 
 def _swapped(model: nn.Module) -> list[str]:
@@ -96,10 +95,10 @@ def test_float8_all_gather_with_fsdp2_world_1(gloo_world_1):
     reference = Transformer(CFG)
     reference.init_weights(seed=0)
     w = model.layers["0"].attention.wq.weight
-    assert torch.equal(w.full_tensor().float(), reference.layers["0"].attention.wq.weight)
+    assert torch.equal(to_full(w).float(), reference.layers["0"].attention.wq.weight)
     tokens = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
     model(tokens).float().logsumexp(-1).sum().backward()
-    assert torch.isfinite(w.grad.full_tensor()).all()
+    assert torch.isfinite(to_full(w.grad)).all()
 
 
 def test_recipe_none_only_records_the_step():

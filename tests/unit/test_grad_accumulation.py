@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import canonical_fqn
 from kempnerforge.module import CausalLM
+from kempnerforge.parallel.dtensor import to_full
+from kempnerforge.parallel.grad_clip import clip_grad_norm_
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.loss import IGNORE_INDEX, StepTokenNormalizer, token_cross_entropy_sum
 from kempnerforge.training.lr import SchedulerConfig
@@ -48,9 +50,7 @@ class _Recording(CausalLM):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         super().on_before_optimizer_step(optimizer)
-        self.grads.append(
-            {canonical_fqn(n): p.grad.full_tensor().clone() for n, p in self.model.named_parameters()}
-        )
+        self.grads.append({canonical_fqn(n): to_full(p.grad).clone() for n, p in self.model.named_parameters()})
         self.losses.append(float(self.trainer.callback_metrics["train/loss"]))
         self.norms.append(float(self.trainer.callback_metrics["train/grad_norm"]))
 
@@ -74,9 +74,7 @@ def _run(samples, batch_size: int, accumulate: int, steps: int) -> _Recording:
     return module
 
 
-@pytest.mark.parametrize(
-    ("n_samples", "steps"), [(16, 2), (12, 2)], ids=["full-windows", "short-last-window"]
-)
+@pytest.mark.parametrize(("n_samples", "steps"), [(16, 2), (12, 2)], ids=["full-windows", "short-last-window"])
 def test_accumulate_4_equals_one_batch_4x_larger_with_padding(n_samples, steps):
     """b=2: 4 micro-batches of 2 vs batches of 8. With 12 samples the 2nd step has only 2 micro-batches
     (Lightning steps at the end of the epoch) vs one batch of 4: normalized by the tokens it really had."""
@@ -111,22 +109,20 @@ def test_normalizer_matches_global_mean_gradient():
     for i in range(4):  # what Lightning does: backward(loss / accumulate) per micro-batch
         loss_sum, n_i = token_cross_entropy_sum(x[i : i + 1] @ w, labels[i : i + 1])
         (normalizer.add(loss_sum, n_i, dp_size=1, new_step=i == 0) / accumulate).backward()
-    mean, n_global = normalizer.finish([w], None, accumulate)
+    mean, n_global, scale = normalizer.finish(None, accumulate)
+    assert scale == pytest.approx(accumulate / int(n))
+    clip_grad_norm_([w], max_norm=0.0, grad_scale=scale)  # how CausalLM applies it
     torch.testing.assert_close(w.grad, expected, rtol=1e-6, atol=1e-8)
     assert int(n_global) == int(n)
-    full_mean = torch.nn.functional.cross_entropy(
-        (x @ w).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
-    )
+    full_mean = torch.nn.functional.cross_entropy((x @ w).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     assert float(mean) == pytest.approx(float(full_mean.detach()), rel=1e-6)
 
 
 def test_new_step_drops_stale_counts_and_finish_needs_a_micro_batch():
     normalizer = StepTokenNormalizer()
-    normalizer.add(
-        torch.tensor(100.0), torch.tensor(10), dp_size=1, new_step=True
-    )  # a step that never finished
+    normalizer.add(torch.tensor(100.0), torch.tensor(10), dp_size=1, new_step=True)  # a step that never finished
     normalizer.add(torch.tensor(6.0), torch.tensor(3), dp_size=1, new_step=True)
-    mean, n = normalizer.finish([], None, 1)
-    assert (float(mean), float(n)) == (2.0, 3.0)
+    mean, n, scale = normalizer.finish(None, 1)
+    assert (float(mean), float(n), scale) == (2.0, 3.0, 1 / 3)
     with pytest.raises(RuntimeError, match=r"finish\(\) called without a micro-batch"):
-        normalizer.finish([], None, 1)
+        normalizer.finish(None, 1)

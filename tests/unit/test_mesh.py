@@ -15,12 +15,16 @@ def test_dp_shard_inferred_from_world_size():
 
 
 def test_product_must_equal_world_size_and_shows_the_math():
-    with pytest.raises(MeshConfigError, match=r"pp\*dp_replicate\*dp_shard\*cp\*tp = 1\*2\*3\*1\*1 = 6, but world_size=4"):
+    with pytest.raises(
+        MeshConfigError, match=r"pp\*dp_replicate\*dp_shard\*cp\*tp = 1\*2\*3\*1\*1 = 6, but world_size=4"
+    ):
         ParallelDims(dp_replicate=2, dp_shard=3, world_size=4)
 
 
 def test_dp_shard_cannot_be_inferred():
-    with pytest.raises(MeshConfigError, match=r"dp_shard=-1 cannot be inferred: world_size=3 is not divisible by .* = 2"):
+    with pytest.raises(
+        MeshConfigError, match=r"dp_shard=-1 cannot be inferred: world_size=3 is not divisible by .* = 2"
+    ):
         ParallelDims(dp_replicate=2, world_size=3)
 
 
@@ -53,5 +57,8 @@ def test_strategy_refuses_bad_degrees_at_construction():
 
     with pytest.raises(MeshConfigError, match="dp_replicate=0 is not allowed"):
         KempnerStrategy(dp_replicate=0)
-    with pytest.raises(ValueError, match=r"mixed_precision_param='fp16' is not allowed; choose one of \['bfloat16', 'float32'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"mixed_precision_param='fp16' is not allowed; choose one of \['bfloat16', 'float32'\]",
+    ):
         KempnerStrategy(mixed_precision_param="fp16")

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer, canonical_fqn, param_seed
+from kempnerforge.parallel.dtensor import to_full
 
 # Std of N(0, 1) truncated at +-3: sqrt(1 - 6 * phi(3) / (2 * Phi(3) - 1)).
 TRUNC3_STD = 0.98658
@@ -39,7 +40,7 @@ def _assert_same_state(model: Transformer, ref: Transformer) -> None:
     want = dict(ref.named_parameters()) | dict(ref.named_buffers())
     assert got.keys() == want.keys()
     for name, tensor in got.items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = to_full(tensor)
         assert not full.is_meta and not torch.isnan(full).any(), name
         assert torch.equal(full, want[name]), name
 
@@ -102,14 +103,9 @@ def test_tied_embeddings_share_one_parameter():
 
 
 def test_wrapper_components_do_not_change_the_seed():
-    assert (
-        canonical_fqn("layers.0._checkpoint_wrapped_module.attention.wq.weight")
-        == "layers.0.attention.wq.weight"
-    )
+    assert canonical_fqn("layers.0._checkpoint_wrapped_module.attention.wq.weight") == "layers.0.attention.wq.weight"
     assert canonical_fqn("layers._orig_mod.1.ffn_norm.weight") == "layers.1.ffn_norm.weight"
-    assert param_seed(0, "layers.0._orig_mod.attention.wq.weight") == param_seed(
-        0, "layers.0.attention.wq.weight"
-    )
+    assert param_seed(0, "layers.0._orig_mod.attention.wq.weight") == param_seed(0, "layers.0.attention.wq.weight")
     assert param_seed(0, "layers.0.attention.wq.weight") != param_seed(1, "layers.0.attention.wq.weight")
 
 

@@ -9,15 +9,30 @@ from lightning.pytorch import Trainer
 from kempnerforge.config import ModelConfig
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
+from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.lr import SchedulerConfig
 
-TINY = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 50257, "max_seq_len": 64, "multiple_of": 16}
+TINY = {
+    "dim": 32,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "vocab_size": 50257,
+    "max_seq_len": 64,
+    "multiple_of": 16,
+}
 
 
 def _trainer(**kw):
-    base = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
-            "enable_progress_bar": False, "enable_model_summary": False}
+    base = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
     return Trainer(**{**base, **kw})
 
 
@@ -40,9 +55,9 @@ def test_fit_then_validate_reuses_the_model(shakespeare_tokens):
     data = TokenDataModule(str(shakespeare_tokens), seq_len=32, micro_batch_size=2)
     trainer = _trainer(strategy=KempnerStrategy(), max_steps=3, limit_val_batches=2, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)
-    weights = module.model.layers["0"].attention.wq.weight.full_tensor().clone()
+    weights = to_full(module.model.layers["0"].attention.wq.weight).clone()
     (result,) = trainer.validate(module, datamodule=data)
-    assert torch.equal(module.model.layers["0"].attention.wq.weight.full_tensor(), weights)  # not re-initialized
+    assert torch.equal(to_full(module.model.layers["0"].attention.wq.weight), weights)  # not re-initialized
     assert result["val/loss"] < 10.9
 
 

@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_wheel_contains_strategies_and_callbacks(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     (wheel,) = tmp_path.glob("kempnerforge-*.whl")

@@ -37,7 +37,12 @@ def test_micro_batches_sum_to_the_big_batch_gradient():
     ref = F.cross_entropy((x @ w).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     (g_ref,) = torch.autograd.grad(ref, w)
     n_total = (labels != IGNORE_INDEX).sum()
-    total = sum(global_token_cross_entropy(x[i : i + 2] @ w, labels[i : i + 2])[0] * (labels[i : i + 2] != IGNORE_INDEX).sum() / n_total for i in (0, 2))
+    total = sum(
+        global_token_cross_entropy(x[i : i + 2] @ w, labels[i : i + 2])[0]
+        * (labels[i : i + 2] != IGNORE_INDEX).sum()
+        / n_total
+        for i in (0, 2)
+    )
     (g,) = torch.autograd.grad(total, w)
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
 
@@ -93,8 +98,12 @@ def test_scheduler_needs_steps():
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"lr": 0.0}, "lr=0.0 must be > 0"), ({"beta2": 1.0}, r"beta2=1.0 must be in \[0, 1\)"),
-     ({"weight_decay": -0.1}, "weight_decay=-0.1 must be >= 0"), ({"eps": 0.0}, "eps=0.0 must be > 0")],
+    [
+        ({"lr": 0.0}, "lr=0.0 must be > 0"),
+        ({"beta2": 1.0}, r"beta2=1.0 must be in \[0, 1\)"),
+        ({"weight_decay": -0.1}, "weight_decay=-0.1 must be >= 0"),
+        ({"eps": 0.0}, "eps=0.0 must be > 0"),
+    ],
 )
 def test_optimizer_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -105,7 +114,9 @@ def test_no_decay_on_norms_biases_embeddings_and_tied_head():
     from kempnerforge.config import ModelConfig
     from kempnerforge.model import Transformer
 
-    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=8, multiple_of=16, tie_embeddings=True))
+    model = Transformer(
+        ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=8, multiple_of=16, tie_embeddings=True)
+    )
     groups = param_groups(model, OptimizerConfig(weight_decay=0.1))
     decay, no_decay = ({id(p) for p in g["params"]} for g in groups)
     assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
@@ -127,3 +138,26 @@ def test_grad_clip_returns_true_norm_and_clips():
     assert total_grad_norm([a, b]).item() == pytest.approx(1.0, rel=1e-5)
     with pytest.raises(ValueError, match="only the L2 norm"):
         total_grad_norm([a], norm_type=1.0)
+
+
+def test_grad_clip_folds_a_scale_into_one_multiply():
+    a = nn.Parameter(torch.zeros(3))
+    a.grad = torch.full((3,), 2.0)  # norm sqrt(12) ~ 3.46; scaled by 0.5 -> 1.73
+    norm = clip_grad_norm_([a], max_norm=1.0, grad_scale=0.5)
+    assert norm.item() == pytest.approx(0.5 * math.sqrt(12))
+    assert total_grad_norm([a]).item() == pytest.approx(1.0, rel=1e-5)
+    a.grad = torch.full((3,), 2.0)
+    clip_grad_norm_([a], max_norm=10.0, grad_scale=0.25)  # below the threshold: scale only
+    torch.testing.assert_close(a.grad, torch.full((3,), 0.5))
+    a.grad = torch.full((3,), 2.0)
+    clip_grad_norm_([a], max_norm=0.0, grad_scale=3.0)  # clipping off: scale only
+    torch.testing.assert_close(a.grad, torch.full((3,), 6.0))
+
+
+def test_cpu_grad_norm_of_a_large_tensor_matches_fp64():
+    # A single fp32 reduction over millions of elements drifts ~5e-4 relative on CPU; the chunked norm must not.
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.zeros(4_000_000))
+    p.grad = torch.randn(4_000_000) * 1e-3
+    exact = torch.linalg.vector_norm(p.grad, dtype=torch.float64).item()
+    assert total_grad_norm([p]).item() == pytest.approx(exact, rel=1e-6)
