@@ -31,6 +31,7 @@ from kempnerforge.parallel.float8 import apply_float8, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
 from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degrees
 from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
+from kempnerforge.strategies.cpu_malloc import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class KempnerStrategy(ModelParallelStrategy):
             top-k outputs are saved, the rest recomputed; arXiv:2205.05198).
         ac_every_n: with ``activation_checkpointing="selective"``, checkpoint every n-th block (>= 1).
         compile: ``torch.compile`` each block in place (after AC, before FSDP2).
+        cpu_keep_freed_memory: on CPU, tell glibc malloc to keep freed memory for the next step
+            instead of unmapping it (:func:`kempnerforge.strategies.cpu_malloc.keep_freed_memory`;
+            20-30% faster CPU steps, host memory stays at one step's peak). No effect on CUDA runs.
 
     Raises:
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
@@ -100,6 +104,7 @@ class KempnerStrategy(ModelParallelStrategy):
         activation_checkpointing: str = "none",
         ac_every_n: int = 2,
         compile: bool = False,
+        cpu_keep_freed_memory: bool = True,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -136,6 +141,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.ac_every_n = ac_every_n
         self.compile = compile
+        self.cpu_keep_freed_memory = cpu_keep_freed_memory
         self.parallel_mesh: ParallelMesh | None = None
         self._checkpoint_io = DCPCheckpointIO()
 
@@ -144,6 +150,8 @@ class KempnerStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         """Initialize the process group, validate the degrees, build the world mesh and log it."""
         self._setup_distributed()
+        if self.cpu_keep_freed_memory and self.root_device.type == "cpu":
+            keep_freed_memory()
         dims = ParallelDims(**self._degrees, world_size=self.world_size)
         validate = getattr(self.lightning_module, "validate_parallel", None)
         if callable(validate):
