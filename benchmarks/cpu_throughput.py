@@ -36,9 +36,9 @@ Fairness: every trainer uses the same threads (``torch.set_num_threads`` and ``O
 which Lightning's launcher would otherwise reset), the cyclic garbage collector is off while timing,
 Lightning's default DistributedSampler (which shuffles) is off so (a) sees the batches in the same
 order, and the ``max|dL|`` column checks that every step's loss equals (b)'s: same model, same math.
-KempnerStrategy keeps freed host memory for reuse on CPU (``cpu_keep_freed_memory``, glibc
-``mallopt``; 20-30% faster steps); the script turns the same setting on for all four trainers
-(``--default-malloc`` turns it off for all four).
+``--keep-freed-memory`` runs every trainer with KempnerStrategy's opt-in glibc setting
+(``cpu_keep_freed_memory``: ~30% faster steps, but only safe with ``--only a,b``, see
+``kempnerforge/strategies/cpu_malloc.py``).
 
 CPU MFU = tokens/s * ``ModelConfig.flops_per_token(seq)`` / peak, where the peak is the best fp32
 FLOP/s of a square matmul (``--peak-n``, default 2048) measured here with the same threads: a
@@ -511,7 +511,7 @@ def run_kforge(cfg: ModelConfig, batches: list[Batch], args, others: list[PlainT
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=KempnerStrategy(cpu_keep_freed_memory=not args.default_malloc),
+        strategy=KempnerStrategy(cpu_keep_freed_memory=args.keep_freed_memory),
         precision="32-true",
         max_steps=len(batches),
         logger=False,
@@ -585,10 +585,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a step is clean when other processes used at most this fraction of the CPUs (default 0.05)",
     )
     p.add_argument(
-        "--default-malloc",
+        "--keep-freed-memory",
         action="store_true",
-        help="leave glibc malloc as is for every trainer (KempnerStrategy(cpu_keep_freed_memory=False));\n"
-        "by default all four run with the freed-memory reuse that KempnerStrategy turns on for CPU runs",
+        help="every trainer runs with glibc keeping freed memory (KempnerStrategy(cpu_keep_freed_memory=True));\n"
+        "~30%% faster steps for all, but the heap grows without bound with (c) or (d): use with --only a,b",
     )
     p.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     return p.parse_args(argv)
@@ -637,8 +637,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.threads or os.cpu_count() or 1
     os.environ["OMP_NUM_THREADS"] = str(threads)  # Lightning's launcher respects it
     torch.set_num_threads(threads)
-    if not args.default_malloc:
-        keep_freed_memory()  # what (a)'s strategy does on CPU; for all four so the comparison stays fair
+    if args.keep_freed_memory:
+        keep_freed_memory()  # what (a)'s strategy then does on CPU; for all trainers so the comparison stays fair
     only = [k.strip() for k in args.only.split(",") if k.strip()]
     unknown = sorted(set(only) - set(NAMES))
     if unknown:

@@ -72,8 +72,10 @@ class KempnerStrategy(ModelParallelStrategy):
         ac_every_n: with ``activation_checkpointing="selective"``, checkpoint every n-th block (>= 1).
         compile: ``torch.compile`` each block in place (after AC, before FSDP2).
         cpu_keep_freed_memory: on CPU, tell glibc malloc to keep freed memory for the next step
-            instead of unmapping it (:func:`kempnerforge.strategies.cpu_malloc.keep_freed_memory`;
-            20-30% faster CPU steps, host memory stays at one step's peak). No effect on CUDA runs.
+            instead of unmapping it (:func:`kempnerforge.strategies.cpu_malloc.keep_freed_memory`):
+            ~30% faster CPU steps for one model training alone (the debug recipe turns it on), but
+            the heap can fragment and grow when several models with different shapes allocate in one
+            process, so it is off by default. No effect on CUDA runs.
 
     Raises:
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
@@ -104,7 +106,7 @@ class KempnerStrategy(ModelParallelStrategy):
         activation_checkpointing: str = "none",
         ac_every_n: int = 2,
         compile: bool = False,
-        cpu_keep_freed_memory: bool = True,
+        cpu_keep_freed_memory: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
