@@ -22,7 +22,7 @@ from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
 from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.grad_clip import clip_grad_norm_
-from kempnerforge.parallel.mesh import ParallelDims
+from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
 from kempnerforge.parallel.tensor_parallel import validate_tp
 from kempnerforge.training.loss import (
     IGNORE_INDEX,
@@ -47,9 +47,14 @@ class CausalLM(LightningModule):
         scheduler: warmup + decay LR schedule (``--model.scheduler.*``).
         grad_clip: max global L2 norm of the gradients (0 disables clipping; the norm is still logged).
         init_seed: seed of the weight init; the same seed gives the same weights on every mesh.
+        loss_chunk_size: 0 computes the full ``(batch, seq, vocab)`` logits and then the loss; N > 0
+            fuses the output head and cross-entropy over chunks of N tokens so the full fp32 logits
+            never exist (:mod:`kempnerforge.training.chunked_ce`; same value and gradient). Not with
+            ``tp > 1`` (loss parallel already keeps each rank's logits vocab-sharded).
 
     Raises:
-        ValueError: ``grad_clip`` < 0 (configs validate their own fields).
+        ValueError: ``grad_clip`` < 0 or ``loss_chunk_size`` < 0 (configs validate their own fields).
+        MeshConfigError: ``loss_chunk_size > 0`` with ``tp > 1`` (in :meth:`validate_parallel`).
     """
 
     def __init__(
@@ -59,10 +64,14 @@ class CausalLM(LightningModule):
         scheduler: SchedulerConfig = SchedulerConfig(),  # noqa: B008
         grad_clip: float = 1.0,
         init_seed: int = 0,
+        loss_chunk_size: int = 0,
     ) -> None:
         super().__init__()
         if grad_clip < 0:
             raise ValueError(f"grad_clip={grad_clip} must be >= 0 (0 disables clipping).")
+        if loss_chunk_size < 0:
+            raise ValueError(f"loss_chunk_size={loss_chunk_size} must be >= 0 (0: full logits, N: chunks of N tokens).")
+        self.loss_chunk_size = loss_chunk_size
         self.config = config
         self.optimizer_config = optimizer
         self.scheduler_config = scheduler
@@ -76,6 +85,7 @@ class CausalLM(LightningModule):
                 "scheduler": asdict(self.scheduler_config),
                 "grad_clip": grad_clip,
                 "init_seed": init_seed,
+                "loss_chunk_size": loss_chunk_size,
             }
         )
         self.model: Transformer | None = None
@@ -95,10 +105,17 @@ class CausalLM(LightningModule):
 
         Raises:
             MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
-                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`).
+                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`), or ``loss_chunk_size > 0``
+                with ``tp > 1``.
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
+        if self.loss_chunk_size and dims.tp > 1:
+            raise MeshConfigError(
+                f"model.loss_chunk_size={self.loss_chunk_size} needs tp=1 (got tp={dims.tp}): with tensor "
+                "parallelism the head is vocab-sharded and loss_parallel already avoids full logits; set "
+                "model.loss_chunk_size=0."
+            )
 
     def setup(self, stage: str) -> None:
         """Check the data against the model before the model is built.
@@ -141,12 +158,21 @@ class CausalLM(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch: summed token cross-entropy (normalized per optimizer step in
         :meth:`on_before_optimizer_step`); logs lr, tokens seen, tokens/s."""
+        if self.loss_chunk_size:
+            labels = batch["labels"]
+            loss_sum = self.model(batch["input_ids"], labels=labels, loss_chunk_size=self.loss_chunk_size)
+            return self._record_step(batch, batch_idx, loss_sum, (labels != IGNORE_INDEX).sum())
         logits = self.model(batch["input_ids"])
         # Vocab-sharded logits (TP with loss parallel): the backward must also run under loss_parallel().
         self._loss_parallel_backward = isinstance(logits, DTensor)
         # Un-normalized: on_before_optimizer_step divides the step's gradients by its global target-token
         # count (all micro-batches, all dp ranks) and logs train/loss.
         loss_sum, n_targets = token_cross_entropy_sum(logits, batch["labels"])
+        return self._record_step(batch, batch_idx, loss_sum, n_targets)
+
+    def _record_step(
+        self, batch: dict[str, torch.Tensor], batch_idx: int, loss_sum: torch.Tensor, n_targets: torch.Tensor
+    ) -> torch.Tensor:
         new_step = batch_idx % self.trainer.accumulate_grad_batches == 0
         loss = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step)
         tokens = batch["input_ids"].numel() * self._dp_size()

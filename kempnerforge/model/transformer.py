@@ -19,6 +19,7 @@ from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
+from kempnerforge.training.chunked_ce import chunked_linear_cross_entropy_sum
 
 # Projections that write into the residual stream; scaled down by 1/sqrt(2 * n_layers) at init so
 # the residual variance does not grow with depth (GPT-2 / torchtitan practice).
@@ -82,11 +83,20 @@ class Transformer(nn.Module):
         """
         return dense_decoder_tp_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_chunk_size: int = 0
+    ) -> torch.Tensor:
         """Logits (batch, seq, vocab_size) for ``tokens`` (batch, seq) at positions 0..seq-1.
 
+        With ``labels`` (batch, seq) and ``loss_chunk_size > 0`` it returns instead the summed token
+        cross-entropy (fp32 scalar, nats; ``-100`` labels ignored) from the head fused with the loss
+        over chunks of ``loss_chunk_size`` tokens
+        (:func:`kempnerforge.training.chunked_ce.chunked_linear_cross_entropy_sum`). That runs inside
+        ``forward`` so FSDP2 still holds the all-gathered head weight.
+
         Raises:
-            ValueError: if seq > config.max_seq_len (the RoPE tables end there).
+            ValueError: if seq > config.max_seq_len (the RoPE tables end there), or ``labels`` given
+                without ``loss_chunk_size > 0``.
         """
         seq = tokens.shape[1]
         if seq > self.rope_cos.shape[0]:
@@ -95,7 +105,11 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        if labels is None:
+            return self.output(self.norm(h))
+        if loss_chunk_size < 1:
+            raise ValueError(f"Transformer.forward with labels needs loss_chunk_size >= 1, got {loss_chunk_size}.")
+        return chunked_linear_cross_entropy_sum(self.norm(h), self.output.weight, labels, loss_chunk_size)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
