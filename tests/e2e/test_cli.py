@@ -98,6 +98,7 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
         "--trainer.callbacks.init_args.every_n_train_steps=4",
         "--trainer.devices=2",
+        "--model.scheduler.total_steps=8",  # the planned run; the first invocation stops halfway
     ]
     proc = _kforge(*common, "--trainer.max_steps=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
