@@ -44,8 +44,9 @@ def check_mixtral_compatible(cfg: ModelConfig) -> None:
     )
     for field, ok, allowed in rules:
         if not ok:
-            raise ValueError(f"ModelConfig.{field}={getattr(cfg, field)!r} has no MixtralForCausalLM equivalent; "
-                             f"allowed: {allowed}")
+            raise ValueError(
+                f"ModelConfig.{field}={getattr(cfg, field)!r} has no MixtralForCausalLM equivalent; allowed: {allowed}"
+            )
 
 
 def to_hf_config(cfg: ModelConfig):

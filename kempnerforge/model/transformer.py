@@ -17,7 +17,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention
 from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
 from kempnerforge.model.mlp import FeedForward
-from kempnerforge.model.moe import MoE, GroupedExperts
+from kempnerforge.model.moe import GroupedExperts, MoE
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
