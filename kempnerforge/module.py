@@ -22,7 +22,7 @@ from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
 from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.grad_clip import clip_grad_norm_
-from kempnerforge.parallel.mesh import ParallelDims
+from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
 from kempnerforge.parallel.tensor_parallel import validate_tp
 from kempnerforge.training.loss import (
     IGNORE_INDEX,
@@ -98,10 +98,16 @@ class CausalLM(LightningModule):
 
         Raises:
             MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
-                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`).
+                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``tp > 1`` with MoE layers
+                (the TP plan covers dense feed-forwards only).
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
+        if dims.tp > 1 and cfg.num_experts > 0:
+            raise MeshConfigError(
+                f"tp={dims.tp} with num_experts={cfg.num_experts} is not supported: the tensor-parallel plan "
+                "covers dense feed-forwards only; use tp=1 for MoE models."
+            )
 
     def setup(self, stage: str) -> None:
         """Check the data against the model before the model is built.
