@@ -21,6 +21,7 @@ from torchmetrics.text import Perplexity
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
 from kempnerforge.parallel.dtensor import to_full
+from kempnerforge.parallel.expert_parallel import validate_ep
 from kempnerforge.parallel.grad_clip import clip_grad_norm_
 from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
 from kempnerforge.parallel.tensor_parallel import validate_tp
@@ -100,9 +101,12 @@ class CausalLM(LightningModule):
             MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
                 (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``tp > 1`` with MoE layers
                 (the TP plan covers dense feed-forwards only).
+            ValueError: ``ep > 1`` without MoE or ``num_experts`` not divisible by ``ep``
+                (:func:`kempnerforge.parallel.expert_parallel.validate_ep`).
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
+        validate_ep(dims.ep, cfg.num_experts)
         if dims.tp > 1 and cfg.num_experts > 0:
             raise MeshConfigError(
                 f"tp={dims.tp} with num_experts={cfg.num_experts} is not supported: the tensor-parallel plan "

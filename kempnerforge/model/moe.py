@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.router import Router, load_balancing_loss, sequence_balance_loss, z_loss
+from kempnerforge.parallel.ep_dispatch import ScaleGrad, dispatch_combine
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -75,6 +77,10 @@ class GroupedExperts(nn.Module):
     parallelism shards them on dim 0. HF Mixtral's ``gate_up_proj`` is ``cat([w1, w3], dim=1)`` and its
     ``down_proj`` is ``w2``.
 
+    Under expert parallelism (:func:`kempnerforge.parallel.expert_parallel.apply_ep` sets ``ep_group``),
+    the weights are DTensors sharded on dim 0 over the ``ep`` mesh, and rows travel to the rank owning
+    their expert and back (:func:`~kempnerforge.parallel.ep_dispatch.dispatch_combine`).
+
     Shapes: forward(x (rows, dim) sorted by expert, counts (num_experts,)) -> (rows, dim).
     """
 
@@ -82,15 +88,28 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.use_grouped_mm = True
+        self.ep_group = None
+        self.ep_size = 1
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run each row through its expert (see :func:`grouped_mm`)."""
+        if self.ep_group is None:
+            return self._local(x, counts)
+        return dispatch_combine(x, counts, self.ep_group, self.ep_size, self._local)
+
+    def _weight(self, w: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, DTensor):  # expert-parallel: this rank's experts only
+            return ScaleGrad.apply(w.to_local(), 1.0 / self.ep_size)
+        return w
+
+    def _local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self._weight(self.w1), self._weight(self.w2), self._weight(self.w3)
         g = self.use_grouped_mm
-        h = F.silu(grouped_mm(x, self.w1, counts, g)) * grouped_mm(x, self.w3, counts, g)
-        return grouped_mm(h, self.w2, counts, g)
+        h = F.silu(grouped_mm(x, w1, counts, g)) * grouped_mm(x, w3, counts, g)
+        return grouped_mm(h, w2, counts, g)
 
 
 @dataclass
