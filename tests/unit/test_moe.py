@@ -331,3 +331,10 @@ def test_config_validation_names_the_field(kw, match):
 def test_expert_width_multiplier_sets_fine_grained_width():
     assert _cfg(expert_width_multiplier=0.25).expert_hidden == 4
     assert math.isclose(_cfg().expert_hidden, 16)
+
+
+def test_compile_is_refused_for_moe_models():
+    from kempnerforge.parallel.compile import apply_compile
+
+    with pytest.raises(ValueError, match="compile=True is not supported for MoE models"):
+        apply_compile(Transformer(_cfg()), enabled=True)
