@@ -174,7 +174,9 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         route = self.router(tokens)
         flat_experts = route.indices.reshape(-1)  # (tokens * top_k,), assignment a = token * k + slot
-        counts = torch.bincount(flat_experts, minlength=self.config.num_experts)
+        # scatter_add, not bincount: bincount's output size depends on the data (a host sync on CUDA).
+        counts = torch.zeros(self.config.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         # Stable sort: assignments grouped by expert, in token order inside each group.
         order = torch.argsort(flat_experts, stable=True)
         kept_counts, dropped = counts, torch.zeros((), device=x.device)
