@@ -43,3 +43,17 @@ def test_ep2_training_matches_single_process(single_moe, shakespeare_tokens, tmp
     for a, b in zip(record["grad_norms"], single_moe["grad_norms"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
     assert single_moe["losses"][-1] < single_moe["losses"][0] - 0.2
+
+
+def test_ep2_checkpoint_resumes_exactly(single_moe, shakespeare_tokens, tmp_path):
+    """2 steps with EP=2, DCP checkpoint (expert DTensors sharded on the ep mesh, router bias buffers),
+    resume to step 4: steps 3-4 equal the uninterrupted single-process run."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--micro-batch", "4", "--moe", "--ep", "2"]
+    train(2, shakespeare_tokens, tmp_path / "a.json", "--steps", "2", "--ckpt-dir", str(ckpt), "--ckpt-every", "2",
+          *common, timeout=300)  # fmt: skip
+    record = train(2, shakespeare_tokens, tmp_path / "b.json", "--steps", "4", "--resume",
+                   str(ckpt / "step=0002.ckpt"), *common, timeout=300)  # fmt: skip
+    assert record["steps"] == [3, 4]
+    for a, b in zip(record["losses"], single_moe["losses"][2:4], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
