@@ -139,6 +139,11 @@ class MoE(nn.Module):
     ``ceil(c * tokens * top_k / num_experts)`` and the assignments beyond it, in token order, are
     dropped (their tokens keep only the residual and the shared experts, Switch Transformer sec. 2.2).
 
+    Under activation checkpointing (``save_routing``, set by
+    :func:`kempnerforge.parallel.activation_checkpoint.apply_ac`) the recomputation reuses the expert
+    indices chosen by the original forward, so a bias update or a kernel's non-determinism between
+    forward and backward cannot change the routing.
+
     After each forward, :attr:`aux_loss` holds the weighted sum of the enabled auxiliary losses
     (differentiable, scalar fp32; 0 when all weights are 0) and :attr:`stats` the detached
     :class:`MoEStats`. Neither is in the state dict.
@@ -167,12 +172,18 @@ class MoE(nn.Module):
         self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.shared_expert_gate else None
         self.aux_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
+        # Set by apply_ac on checkpointed blocks: the forward keeps its expert choice so the
+        # recomputation in backward routes exactly the same tokens (not in the state dict).
+        self.save_routing = False
+        self._saved_indices: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route, run the experts, combine (see class docstring)."""
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
-        route = self.router(tokens)
+        route = self.router(tokens, self._routing_for_recompute())
+        if self.save_routing and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._saved_indices = route.indices.detach()  # one slot: the next backward's recompute uses it
         flat_experts = route.indices.reshape(-1)  # (tokens * top_k,), assignment a = token * k + slot
         # scatter_add, not bincount: bincount's output size depends on the data (a host sync on CUDA).
         counts = torch.zeros(self.config.num_experts, dtype=torch.long, device=x.device)
@@ -194,6 +205,14 @@ class MoE(nn.Module):
             out = out + shared
         self._record(route, counts, dropped, batch)
         return out.view(batch, seq, dim)
+
+    def _routing_for_recompute(self) -> torch.Tensor | None:
+        """The expert choice saved by the original forward when this forward is an activation-checkpointing
+        recomputation (it runs inside a backward graph task), else None (route afresh)."""
+        if not self.save_routing or torch._C._current_graph_task_id() == -1:
+            return None
+        indices, self._saved_indices = self._saved_indices, None
+        return indices
 
     def _apply_capacity(
         self, order: torch.Tensor, flat_experts: torch.Tensor, counts: torch.Tensor

@@ -66,18 +66,24 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> RouterOutput:
-        """Route ``x`` (tokens, dim)."""
+    def forward(self, x: torch.Tensor, indices: torch.Tensor | None = None) -> RouterOutput:
+        """Route ``x`` (tokens, dim); with ``indices`` (tokens, top_k) given, reuse that selection (an
+        activation-checkpointing recomputation) and only recompute the differentiable weights."""
         logits = self.gate(x).float()
         if self.score_func == "softmax":
             probs = torch.softmax(logits, dim=-1)
-            weights, indices = torch.topk(probs, self.top_k, dim=-1)
+            # Selection on detached values, weights by gather: the same autograd graph whether the
+            # indices are chosen here or reused by an activation-checkpointing recomputation.
+            if indices is None:
+                indices = torch.topk(probs.detach(), self.top_k, dim=-1).indices
+            weights = probs.gather(1, indices)
             if self.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         else:
             scores = torch.sigmoid(logits)
             # The bias only changes which experts are chosen, never the weights (DeepSeek-V3 eq. 16).
-            indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+            if indices is None:
+                indices = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
             weights = scores.gather(1, indices)
             if self.renormalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

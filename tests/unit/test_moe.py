@@ -338,3 +338,24 @@ def test_compile_is_refused_for_moe_models():
 
     with pytest.raises(ValueError, match="compile=True is not supported for MoE models"):
         apply_compile(Transformer(_cfg()), enabled=True)
+
+
+def test_activation_checkpointing_recompute_reuses_the_saved_routing():
+    """Change the selection bias between forward and backward: the checkpointed model's recomputation
+    must still route as its forward did (grads equal the non-checkpointed model's)."""
+    plain = _tiny_model(aux_loss_weight=0.01)
+    ckpt = copy.deepcopy(plain)
+    apply_ac(ckpt, "full")
+    assert all(m.save_routing for m in ckpt.moe_layers().values())
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    grads = []
+    for model in (plain, ckpt):
+        out = model(tokens)
+        aux = MoEStepTracker().collect(model, new_step=True)
+        for m in model.moe_layers().values():  # would reroute most tokens if the recompute re-selected
+            m.router.expert_bias.copy_(torch.linspace(-5, 5, 8))
+        (out.square().mean() + aux).backward()
+        grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=0)
+    assert all(m._saved_indices is None for m in ckpt.moe_layers().values())  # consumed by the recompute
