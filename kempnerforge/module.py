@@ -21,6 +21,7 @@ from torchmetrics.text import Perplexity
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
 from kempnerforge.parallel.dtensor import to_full
+from kempnerforge.parallel.expert_parallel import validate_ep
 from kempnerforge.parallel.grad_clip import clip_grad_norm_
 from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
 from kempnerforge.parallel.tensor_parallel import validate_tp
@@ -31,6 +32,7 @@ from kempnerforge.training.loss import (
     token_cross_entropy_sum,
 )
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler
+from kempnerforge.training.moe_balance import MoEStepTracker
 from kempnerforge.training.optim import OptimizerConfig, build_adamw
 
 
@@ -97,6 +99,8 @@ class CausalLM(LightningModule):
         # accumulated micro-batches); see StepTokenNormalizer.
         self._step_tokens = StepTokenNormalizer()
         self._loss_parallel_backward = False
+        # MoE auxiliary losses, aux-loss-free bias updates and expert-load logs (no-op for dense models).
+        self._moe = MoEStepTracker()
 
     # -- model ----------------------------------------------------------------------------------
 
@@ -105,11 +109,19 @@ class CausalLM(LightningModule):
 
         Raises:
             MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
-                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`), or ``loss_chunk_size > 0``
-                with ``tp > 1``.
+                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``tp > 1`` with MoE layers
+                (the TP plan covers dense feed-forwards only); ``loss_chunk_size > 0`` with ``tp > 1``.
+            ValueError: ``ep > 1`` without MoE or ``num_experts`` not divisible by ``ep``
+                (:func:`kempnerforge.parallel.expert_parallel.validate_ep`).
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
+        validate_ep(dims.ep, cfg.num_experts)
+        if dims.tp > 1 and cfg.num_experts > 0:
+            raise MeshConfigError(
+                f"tp={dims.tp} with num_experts={cfg.num_experts} is not supported: the tensor-parallel plan "
+                "covers dense feed-forwards only; use tp=1 for MoE models."
+            )
         if self.loss_chunk_size and dims.tp > 1:
             raise MeshConfigError(
                 f"model.loss_chunk_size={self.loss_chunk_size} needs tp=1 (got tp={dims.tp}): with tensor "
@@ -175,12 +187,26 @@ class CausalLM(LightningModule):
     ) -> torch.Tensor:
         new_step = batch_idx % self.trainer.accumulate_grad_batches == 0
         loss = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step)
+        loss = self._add_moe_aux_loss(loss, n_targets, new_step)
         tokens = batch["input_ids"].numel() * self._dp_size()
         self.tokens_seen += tokens
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
         self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
         self._log_throughput(tokens)
         return loss
+
+    def _add_moe_aux_loss(self, loss: torch.Tensor, n_targets: torch.Tensor, new_step: bool) -> torch.Tensor:
+        """Add the MoE layers' weighted auxiliary losses (dense model: ``loss`` unchanged).
+
+        ``loss`` is later multiplied by ``accumulate / N_global`` through the gradients and averaged
+        over dp ranks, so the aux loss enters as ``aux * n_targets * dp_size``: the step optimizes the
+        target-token-weighted mean of the micro-batches' aux losses. Logged as ``train/moe_aux_loss``.
+        """
+        aux = self._moe.collect(self.model, new_step)
+        if aux is None:
+            return loss
+        self.log("train/moe_aux_loss", aux.detach(), rank_zero_only=True)
+        return loss + aux * n_targets.to(aux.dtype) * self._dp_size()
 
     def _dp_size(self) -> int:
         group = self._dp_group()
@@ -239,6 +265,16 @@ class CausalLM(LightningModule):
         # The token normalization rides on the clipping multiply: one pass over the gradients.
         norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, grad_scale=scale)
         self.log("train/grad_norm", norm, rank_zero_only=True)
+        self._moe_step()
+
+    def _moe_step(self) -> None:
+        """MoE only: the once-per-optimizer-step router bias update (DeepSeek-V3 aux-loss-free
+        balancing) and, at the trainer's log interval, the per-layer expert-load metrics."""
+        self._moe.finish_step(self.model, self._dp_group(), self.config.bias_update_rate)
+        every = max(1, self.trainer.log_every_n_steps)
+        if self.config.num_experts > 0 and (self.trainer.global_step + 1) % every == 0:
+            for name, value in self._moe.metrics(self.model).items():
+                self.log(name, value, rank_zero_only=True)
 
     # -- checkpoint extras ----------------------------------------------------------------------
 

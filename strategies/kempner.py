@@ -56,7 +56,7 @@ class KempnerStrategy(ModelParallelStrategy):
             False all-gathers the full ``(batch, seq, vocab)`` logits on every TP rank instead.
         pp: pipeline-parallel degree (refused until pipelining lands).
         cp: context-parallel degree (refused: not implemented).
-        ep: expert-parallel degree (refused until MoE lands).
+        ep: expert-parallel degree (MoE models; borrows ranks from dp_shard, must divide it and num_experts).
         mixed_precision_param: FSDP2 compute dtype of unsharded parameters, "float32" or "bfloat16".
         mixed_precision_reduce: FSDP2 gradient reduction dtype, "float32" or "bfloat16".
         reshard_after_forward: FSDP2 frees gathered parameters after forward (saves memory, one more all-gather).
@@ -195,9 +195,9 @@ class KempnerStrategy(ModelParallelStrategy):
                 sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
             )
-        # EP after TP: repartitions expert lists (TP's plan leaves MoE MLPs alone); the expert mesh and
-        # the body arrive with the MoE issue (ep > 1 is refused at validation until then).
-        apply_ep(model, None)
+        # EP after TP: shards the packed experts over the ep mesh (TP is refused for MoE models).
+        ep = self.parallel_mesh.dims.ep
+        apply_ep(model, self.parallel_mesh.ep if ep > 1 else None)
         # FP8 after TP/EP, before AC/FSDP2: the filter must see raw Linears by FQN, and FSDP2 can only
         # all-gather in float8 if conversion came first.
         apply_float8(model, self.float8_recipe, self.float8_all_gather)
@@ -212,6 +212,7 @@ class KempnerStrategy(ModelParallelStrategy):
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
             reshard_after_forward=self.reshard_after_forward,
+            expert_mesh=self.parallel_mesh.expert_fsdp if ep > 1 else None,
         )
 
     def materialize(self, model: nn.Module, seed: int) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kempnerforge.config.moe import moe_layer_params, validate_moe
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -54,6 +56,38 @@ class ModelConfig:
     init_std: float = 0.02
     """Std of the truncated-normal (+-3 std) init of embeddings and linears; wo/w2 get 1/sqrt(2*n_layers) of it."""
 
+    # -- Mixture-of-Experts (validated by kempnerforge.config.moe.validate_moe) --------------------
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 = dense model (bit-identical to a config without MoE fields)."""
+    top_k: int = 2
+    """Routed experts each token is sent to (1..num_experts)."""
+    moe_frequency: int = 1
+    """Layer i is MoE when (i + 1) % moe_frequency == 0 (HF Qwen-MoE ``decoder_sparse_step``); 1 = every layer."""
+    n_shared_experts: int = 0
+    """Always-active SwiGLU experts per MoE layer, each of width expert_hidden (DeepSeekMoE, arXiv:2401.06066)."""
+    expert_width_multiplier: float = 1.0
+    """Expert SwiGLU width = int(ffn_hidden * multiplier); < 1 gives fine-grained experts (DeepSeekMoE)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' sum by sigmoid(Linear(dim, 1)(x)) (Qwen1.5/2-MoE)."""
+    router: str = "softmax"
+    """'softmax' (Mixtral, Qwen-MoE) or 'sigmoid' (DeepSeek-V3, with the selection-only expert bias)."""
+    router_renormalize: bool = True
+    """Divide the top-k gate weights by their sum (Mixtral: always; Qwen-MoE ``norm_topk_prob``)."""
+    route_scale: float = 1.0
+    """Multiplier on the routed gate weights (DeepSeek-V3 ``routed_scaling_factor``)."""
+    aux_loss_weight: float = 0.0
+    """Weight of the Switch-Transformer load-balancing loss (arXiv:2101.03961 eq. 4); 0 = off."""
+    seq_aux_loss_weight: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss (arXiv:2412.19437 eq. 17-20); 0 = off."""
+    z_loss_weight: float = 0.0
+    """Weight of the router z-loss (ST-MoE, arXiv:2202.08906 eq. 5); 0 = off."""
+    capacity_factor: float = 0.0
+    """Expert capacity = ceil(capacity_factor * tokens * top_k / num_experts) per micro-batch; overflow
+    assignments (in token order) are dropped. 0 = no capacity limit, nothing dropped."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3 aux-loss-free balancing rate gamma (sigmoid router only): once per optimizer step
+    bias += gamma * sign(mean load - load), then centered. 0 = bias stays zero."""
+
     def __post_init__(self) -> None:
         self._check_positive()
         if self.dim % self.n_heads != 0:
@@ -71,6 +105,7 @@ class ModelConfig:
                 f"ModelConfig head_dim = dim / n_heads = {self.dim} / {self.n_heads} = {self.head_dim} "
                 "must be even (RoPE rotates pairs of channels)"
             )
+        validate_moe(self)
 
     def _check_positive(self) -> None:
         required = ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of")
@@ -115,8 +150,21 @@ class ModelConfig:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    @property
+    def expert_hidden(self) -> int:
+        """SwiGLU width of one routed or shared expert: int(ffn_hidden * expert_width_multiplier)."""
+        return int(self.ffn_hidden * self.expert_width_multiplier)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when block ``layer`` (0-based) has an MoE feed-forward: num_experts > 0 and
+        (layer + 1) % moe_frequency == 0."""
+        return self.num_experts > 0 and (layer + 1) % self.moe_frequency == 0
+
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Number of distinct trainable parameters, computed analytically (no model needed).
+
+        MoE layers count their router, every routed expert and the shared experts (the router's
+        selection bias is a buffer, not a parameter).
 
         Equals ``sum(p.numel() for p in Transformer(cfg).parameters())`` (a tied matrix counts once).
 
@@ -124,14 +172,26 @@ class ModelConfig:
             exclude_embedding: drop the token-embedding table (vocab_size * dim). The output head is
                 kept when untied; when tied the shared matrix is the embedding and is dropped.
         """
+        return self._count_params(exclude_embedding, active=False)
+
+    def num_active_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters one token uses: as :meth:`num_params`, but MoE layers count only ``top_k``
+        routed experts (plus router and shared experts). Equals ``num_params`` for a dense model."""
+        return self._count_params(exclude_embedding, active=True)
+
+    def _count_params(self, exclude_embedding: bool, active: bool) -> int:
         dim, hd = self.dim, self.head_dim
         attn = 2 * dim * self.n_heads * hd + 2 * dim * self.n_kv_heads_resolved * hd
         if self.qk_norm:
             attn += 2 * hd
-        block = attn + 3 * dim * self.ffn_hidden + 2 * dim  # + attention_norm, ffn_norm
+        dense_ffn = 3 * dim * self.ffn_hidden
+        blocks = 0
+        for i in range(self.n_layers):
+            ffn = moe_layer_params(self, active) if self.is_moe_layer(i) else dense_ffn
+            blocks += attn + ffn + 2 * dim  # + attention_norm, ffn_norm
         embedding = self.vocab_size * dim
         head = 0 if self.tie_embeddings else self.vocab_size * dim
-        total = embedding + self.n_layers * block + dim + head  # + final norm
+        total = embedding + blocks + dim + head  # + final norm
         return total - embedding if exclude_embedding else total
 
     def flops_per_token(self, seq_len: int) -> int:
@@ -149,7 +209,7 @@ class ModelConfig:
         """
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
             raise ValueError(f"flops_per_token(seq_len={seq_len!r}): seq_len must be a positive integer")
-        n_matmul = self.num_params(exclude_embedding=True)
+        n_matmul = self.num_active_params(exclude_embedding=True)
         if self.tie_embeddings:
             n_matmul += self.vocab_size * self.dim
         return 6 * n_matmul + 12 * self.n_layers * self.dim * seq_len

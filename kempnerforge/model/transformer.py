@@ -8,6 +8,7 @@ checkpoint FQNs and the HF key mapping (``kempnerforge.checkpoint.hf_llama``).
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -16,33 +17,43 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention
 from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
 from kempnerforge.model.mlp import FeedForward
+from kempnerforge.model.moe import GroupedExperts, MoE
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.training.chunked_ce import chunked_linear_cross_entropy_sum
 
 # Projections that write into the residual stream; scaled down by 1/sqrt(2 * n_layers) at init so
-# the residual variance does not grow with depth (GPT-2 / torchtitan practice).
-_RESIDUAL_OUT = ("attention.wo", "feed_forward.w2")
+# the residual variance does not grow with depth (GPT-2 / torchtitan practice). MoE: every expert's w2.
+_RESIDUAL_OUT = ("attention.wo", "feed_forward.w2", "moe.experts.w2")
+_SHARED_EXPERT_OUT = re.compile(r"moe\.shared_experts\.\d+\.w2$")
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + feed_forward(ffn_norm(h))``.
+    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + ffn(ffn_norm(h))``.
+
+    ``ffn`` is the dense SwiGLU ``feed_forward`` or, for MoE layers (``config.is_moe_layer(layer)``),
+    the :class:`~kempnerforge.model.moe.MoE` module ``moe``; the two names never coexist, so FQNs of
+    a dense model are unchanged by the MoE fields.
 
     Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim)) -> (batch, seq, dim).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
+        if config.is_moe_layer(layer):
+            self.moe = MoE(config)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` (batch, seq, dim)."""
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -61,7 +72,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
@@ -118,8 +129,10 @@ class Transformer(nn.Module):
         - RoPE tables: recomputed on CPU in fp32 and copied onto the buffers' device (bitwise the
           same on every device).
         - RMSNorm weights: ones.
-        - Embedding / Linear weights: N(0, init_std**2) truncated at +-3 std; ``attention.wo`` and
-          ``feed_forward.w2`` use init_std / sqrt(2 * n_layers).
+        - Embedding / Linear weights and packed expert weights (``moe.experts.w1/w2/w3``): N(0,
+          init_std**2) truncated at +-3 std; ``attention.wo``, ``feed_forward.w2`` and every expert's
+          ``w2`` (routed and shared) use init_std / sqrt(2 * n_layers).
+        - MoE router selection bias (``moe.router.expert_bias``): zeros.
         Each weight is drawn from its own generator seeded from (seed, canonical FQN) on CPU, so the
         result is independent of the global RNG and identical for meta or eager builds and for any
         FSDP2/TP sharding (DTensors receive only their local shard). A tied embedding is initialized
@@ -134,10 +147,17 @@ class Transformer(nn.Module):
         std = self.config.init_std
         done: set[int] = set()
         for name, module in self.named_modules():
+            if isinstance(module, GroupedExperts):
+                self._init_experts(module, name, seed)
+                done.update(id(p) for p in module.parameters())
+                continue
+            if isinstance(module, MoE):
+                module.router.expert_bias.zero_()
             if isinstance(module, RMSNorm):
                 p_std = None
             elif isinstance(module, nn.Linear | nn.Embedding):
-                residual_out = canonical_fqn(name).endswith(_RESIDUAL_OUT)
+                fqn = canonical_fqn(name)
+                residual_out = fqn.endswith(_RESIDUAL_OUT) or _SHARED_EXPERT_OUT.search(fqn) is not None
                 p_std = std / math.sqrt(2 * self.config.n_layers) if residual_out else std
             else:
                 continue
@@ -151,3 +171,14 @@ class Transformer(nn.Module):
         missed = [n for n, p in self.named_parameters() if id(p) not in done]
         if missed:
             raise RuntimeError(f"Transformer.init_weights has no rule for parameters {missed}")
+
+    def _init_experts(self, experts: GroupedExperts, name: str, seed: int) -> None:
+        std = self.config.init_std
+        for pname in ("w1", "w2", "w3"):
+            p_std = std / math.sqrt(2 * self.config.n_layers) if pname == "w2" else std
+            trunc_normal_init_(getattr(experts, pname), f"{name}.{pname}", seed, p_std)
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """The MoE modules by canonical FQN (``layers.1.moe``, ...), found through any wrapper
+        (activation checkpointing, compile); empty for a dense model."""
+        return {canonical_fqn(n): m for n, m in self.named_modules() if isinstance(m, MoE)}

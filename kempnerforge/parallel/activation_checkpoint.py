@@ -174,6 +174,9 @@ def apply_ac(model: nn.Module, mode: str = "none", every_n: int = 2) -> list[str
         context_fn = selective_op_context_fn if mode == "selective_op" else None
         model.layers.register_module(name, wrap_block(block, context_fn))
         wrapped.append(name)
+        for module in block.modules():  # MoE layers keep their routing for the recomputation
+            if getattr(module, "is_moe", False):
+                module.save_routing = True
     return wrapped
 
 

@@ -32,12 +32,19 @@ def apply_compile(model: nn.Module, enabled: bool = True, fullgraph: bool = True
         Names (keys in ``model.layers``) of the compiled blocks (empty when not enabled).
 
     Raises:
-        ValueError: ``model.layers`` missing or empty.
+        ValueError: ``model.layers`` missing or empty, or the model has MoE layers (token routing has
+            data-dependent shapes: ``fullgraph`` compilation of an MoE block fails; use compile=False).
         TransformOrderError: compile applied twice, or after FSDP2.
     """
     record_step(model, "compile")
     if not enabled:
         return []
+    moe = [n for n, m in model.named_modules() if getattr(m, "is_moe", False)]
+    if moe:
+        raise ValueError(
+            f"compile=True is not supported for MoE models ({len(moe)} MoE layers, e.g. {moe[0]}): token "
+            "routing has data-dependent shapes that full-graph block compilation cannot trace; use compile=False."
+        )
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict | nn.ModuleList) or len(layers) == 0:
         raise ValueError("per-block compile needs model.layers, a non-empty nn.ModuleDict or nn.ModuleList.")

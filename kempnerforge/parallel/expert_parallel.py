@@ -1,51 +1,83 @@
-"""Expert parallelism (EP): the chain step that will repartition MoE expert lists over the ``ep`` mesh.
+"""Expert parallelism (EP): shard every MoE layer's packed experts over the ``ep`` mesh (chain step 2).
 
-Its place in the chain is fixed now (TP -> **EP** -> FP8 -> AC -> compile -> FSDP2, see
-:mod:`kempnerforge.parallel.order`): EP comes after TP, whose plan leaves MoE MLPs alone, and before
-FP8, whose filter must still see the expert Linears by FQN to skip them. The body (token dispatch
-with ``all_to_all_single``, experts sharded on ``Shard(0)`` of the expert mesh, as in torchtitan v0.2
-``apply_moe_ep_tp``) arrives with the MoE issue. Until then ``ep > 1`` is refused by
-:func:`kempnerforge.parallel.mesh.validate_degrees` before any process group exists.
+Follows torchtitan v0.2 (``apply_moe_ep_tp`` / ``ExpertParallel``): expert weights become DTensors
+``Shard(0)`` on the 1-D ``ep`` mesh (rank r keeps experts ``[r * E / ep, (r + 1) * E / ep)``), and the
+MoE layer sends each token to the rank owning its expert with ``all_to_all_single`` and back
+(:mod:`kempnerforge.parallel.ep_dispatch`). ``ep`` borrows ranks from ``dp_shard``: the expert
+weights are then FSDP2-sharded over the remaining ``dp_shard / ep`` ranks
+(:func:`kempnerforge.parallel.fsdp.apply_fsdp` with ``expert_mesh``).
+
+Its place in the chain is fixed (TP -> **EP** -> FP8 -> AC -> compile -> FSDP2, see
+:mod:`kempnerforge.parallel.order`): after TP, whose plan leaves MoE MLPs alone, and before FP8, whose
+filter must still see the expert Linears by FQN to skip them.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from kempnerforge.parallel.order import record_step
 
 
 def moe_layers(model: nn.Module) -> list[str]:
-    """FQNs of the modules that declare themselves MoE layers (attribute ``is_moe = True``).
-
-    The dense decoder has none; MoE blocks set ``is_moe`` when they land.
-    """
+    """FQNs of the modules that declare themselves MoE layers (attribute ``is_moe = True``)."""
     return [name for name, m in model.named_modules() if getattr(m, "is_moe", False)]
+
+
+def validate_ep(ep: int, num_experts: int) -> None:
+    """Check the EP degree against the model before anything is allocated.
+
+    Raises:
+        ValueError: ``ep > 1`` for a dense model (``num_experts == 0``), or ``num_experts`` not
+            divisible by ``ep`` (every rank holds the same number of experts).
+    """
+    if ep > 1 and num_experts == 0:
+        raise ValueError(f"ep={ep} needs MoE layers (ModelConfig.num_experts > 0); use ep=1 for a dense model.")
+    if ep > 1 and num_experts % ep:
+        allowed = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(f"ModelConfig.num_experts={num_experts} must be divisible by ep={ep}; allowed ep: {allowed}")
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
     """Expert-parallelize ``model`` in place over ``ep_mesh`` (the EP step of the chain).
 
-    With ``ep_mesh`` of size 1 (or None) the experts stay whole on every rank, so the step only
-    records its place in the chain: a later attempt to run TP raises
-    :class:`~kempnerforge.parallel.order.TransformOrderError`.
+    With ``ep_mesh`` of size 1 (or None) the experts stay whole on every rank and the step only
+    records its place in the chain. Otherwise each MoE layer's ``experts.w1/w2/w3`` (num_experts, ...)
+    become DTensors ``Shard(0)`` over ``ep_mesh`` (meta stays meta; ``init_weights`` later copies
+    each rank's slice of the full, sharding-invariant init), and ``experts.ep_group`` is set so the
+    forward dispatches tokens with all-to-all.
 
     Args:
         model: the model (meta or materialized), after TP.
-        ep_mesh: 1-D expert-parallel mesh, or None when ``ep == 1``.
+        ep_mesh: 1-D expert-parallel mesh (``ParallelMesh.ep``), or None when ``ep == 1``.
 
     Raises:
         TransformOrderError: EP applied twice, or after FP8 / AC / compile / FSDP2.
-        ValueError: ``ep_mesh`` has size > 1 but ``model`` has no MoE layer (``ep > 1`` needs MoE), or
-            it has MoE layers (expert sharding arrives with the MoE issue; validation refuses
-            ``ep > 1`` earlier, so reaching this is a programming error, not a silent no-op).
+        ValueError: ``ep_mesh`` has size > 1 but ``model`` has no MoE layer, or ``num_experts`` is
+            not divisible by the mesh size.
     """
     record_step(model, "ep")
     ep = 1 if ep_mesh is None else ep_mesh.size()
     if ep == 1:
         return
-    layers = moe_layers(model)
+    layers = [m for m in model.modules() if getattr(m, "is_moe", False)]
     if not layers:
         raise ValueError(f"ep={ep} needs MoE layers, but the model has none; use ep=1.")
-    raise ValueError(f"ep={ep}: expert sharding of {len(layers)} MoE layers is not available in this build; use ep=1.")
+    for moe in layers:
+        experts = moe.experts
+        validate_ep(ep, experts.num_experts)
+        for name in ("w1", "w2", "w3"):
+            full = getattr(experts, name)
+            rank = ep_mesh.get_local_rank()
+            local = full.detach().chunk(ep, dim=0)[rank] if not full.is_meta else _meta_chunk(full, ep)
+            dt = DTensor.from_local(local.contiguous(), ep_mesh, [Shard(0)], run_check=False)
+            setattr(experts, name, nn.Parameter(dt, requires_grad=full.requires_grad))
+        experts.ep_group = ep_mesh.get_group()
+        experts.ep_size = ep
+
+
+def _meta_chunk(full: torch.Tensor, ep: int) -> torch.Tensor:
+    return torch.empty((full.shape[0] // ep, *full.shape[1:]), dtype=full.dtype, device="meta")

@@ -35,6 +35,7 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard ``model`` with FSDP2 in place: each block of ``model.layers``, then the root.
 
@@ -50,18 +51,27 @@ def apply_fsdp(
         reduce_dtype: dtype of gradient reduce-scatter / all-reduce (keep fp32).
         reshard_after_forward: free unsharded parameters after forward (ZeRO-3); False keeps them
             until backward (ZeRO-2-like, more memory, one all-gather fewer).
+        expert_mesh: with expert parallelism, the ``dp_shard_mod_ep`` mesh
+            (``ParallelMesh.expert_fsdp``): each MoE layer's experts become their own unit on it, and
+            the MoE layer (router, shared experts) another unit on ``mesh``, separate from the block's
+            attention unit (one unit per block would interleave the EP all-to-alls with its
+            reduce-scatter and deadlock).
 
     Raises:
         TransformOrderError: FSDP2 already applied (see :mod:`kempnerforge.parallel.order`).
     """
     record_step(model, "fsdp")
-    if mesh.size() == 1 and param_dtype == torch.float32:
+    if mesh.size() == 1 and param_dtype == torch.float32 and expert_mesh is None:
         return
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
     for i, block in enumerate(blocks):
         # The last block's parameters are all-gathered again right away by the root's backward, so keep them.
         last = i == len(blocks) - 1
+        if expert_mesh is not None:
+            for moe in (m for m in block.modules() if getattr(m, "is_moe", False)):
+                fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+                fully_shard(moe, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and not last)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 

@@ -46,8 +46,6 @@ def validate_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int
         raise MeshConfigError(
             f"cp={cp} is not supported: context parallelism is not implemented (and does not run on CPU); use cp=1."
         )
-    if ep > 1:
-        raise MeshConfigError(f"ep={ep} is not supported yet: expert parallelism needs MoE layers; use ep=1.")
 
 
 @dataclass
@@ -91,6 +89,16 @@ class ParallelDims:
                     f"pp*dp_replicate*cp*tp = {self.pp}*{self.dp_replicate}*{self.cp}*{self.tp} = {others}."
                 )
             self.dp_shard = self.world_size // others
+        if self.ep > 1 and self.dp_shard % self.ep:
+            raise MeshConfigError(
+                f"ep={self.ep} must divide dp_shard={self.dp_shard}: expert parallelism borrows its ranks from "
+                f"dp_shard; allowed ep: {[d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]}."
+            )
+        if self.ep > 1 and self.dp_replicate > 1:
+            raise MeshConfigError(
+                f"ep={self.ep} with dp_replicate={self.dp_replicate} is not supported (experts are FSDP-sharded "
+                "over dp_shard / ep only); use dp_replicate=1 with ep > 1."
+            )
         product = others * self.dp_shard
         if product != self.world_size:
             raise MeshConfigError(
@@ -143,6 +151,24 @@ class ParallelMesh:
     def tp(self) -> DeviceMesh:
         """1-D tensor-parallel mesh (``tp`` axis): the mesh :func:`~kempnerforge.parallel.tensor_parallel.apply_tp` shards over."""
         return self.world["tp"]
+
+    @cached_property
+    def expert(self) -> DeviceMesh:
+        """2-D expert mesh ``(dp_shard_mod_ep, ep)``: ``dp_shard`` unflattened with ``ep`` innermost (EP
+        ranks are neighbours), as torchtitan v0.2; both axes share the world mesh as root, so FSDP2 over
+        ``dp_shard_mod_ep`` composes with expert DTensors on ``ep``."""
+        ep = self.dims.ep
+        return self.world["dp_shard"]._unflatten(0, (self.dims.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+
+    @cached_property
+    def ep(self) -> DeviceMesh:
+        """1-D expert-parallel mesh: the ranks that split one MoE layer's experts and exchange tokens."""
+        return self.expert["ep"]
+
+    @cached_property
+    def expert_fsdp(self) -> DeviceMesh:
+        """1-D mesh FSDP2 shards expert weights over: ``dp_shard / ep`` ranks holding the same experts."""
+        return self.expert["dp_shard_mod_ep"]
 
     @property
     def dp_rank(self) -> int:

@@ -42,9 +42,14 @@ class Recorder(Callback):
         self.batches.append(batch["input_ids"].tolist())
 
 
-def tiny_config(vocab_size: int = 50257, tie: bool = False) -> ModelConfig:
-    """The model every distributed test trains: dim 64, 2 layers, GQA."""
+def tiny_config(vocab_size: int = 50257, tie: bool = False, moe: bool = False) -> ModelConfig:
+    """The model every distributed test trains: dim 64, 2 layers, GQA; with ``moe`` every block has 8
+    experts (top-2, sigmoid router with bias balancing, one shared expert, sequence-wise aux and z losses:
+    both are means over sequences / tokens, so they do not depend on how the batch is split over ranks)."""
+    moe_fields = dict(num_experts=8, top_k=2, n_shared_experts=1, router="sigmoid", bias_update_rate=0.01,
+                      seq_aux_loss_weight=0.01, z_loss_weight=0.001)  # fmt: skip
     return ModelConfig(
+        **(moe_fields if moe else {}),
         dim=64,
         n_layers=2,
         n_heads=4,
@@ -78,6 +83,8 @@ def main() -> None:
     p.add_argument("--param-dtype", default="float32", help="mixed_precision_param")
     p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (nccl, tests/gpu)")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--moe", action="store_true", help="train the MoE variant of the tiny model")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--no-loss-parallel", action="store_true")
     p.add_argument("--record-batches", default=None, help="folder: each rank writes its batches as JSON")
@@ -87,7 +94,7 @@ def main() -> None:
     # CUDA: some kernels (SDPA backward, embedding backward) have no deterministic variant; warn only.
     torch.use_deterministic_algorithms(True, warn_only=args.accelerator != "cpu")
     module = CausalLM(
-        config=tiny_config(tie=args.tie),
+        config=tiny_config(tie=args.tie, moe=args.moe),
         optimizer=OptimizerConfig(lr=3e-3),
         scheduler=SchedulerConfig(warmup_steps=5, total_steps=40),
         grad_clip=1.0,
@@ -114,6 +121,7 @@ def main() -> None:
             dp_shard=args.dp_shard,
             dp_replicate=args.dp_replicate,
             tp=args.tp,
+            ep=args.ep,
             sequence_parallel=args.sequence_parallel,
             loss_parallel=not args.no_loss_parallel,
             activation_checkpointing=args.ac,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from torch import nn
 
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
@@ -54,11 +53,12 @@ def test_ep_gt_1_without_moe_raises():
     assert str(err.value) == "ep=2 needs MoE layers, but the model has none; use ep=1."
 
 
-def test_ep_gt_1_with_moe_is_refused_not_skipped():
-    model = Transformer(CFG)
-    moe = nn.Module()
-    moe.is_moe = True
-    model.layers["0"].moe = moe
-    with pytest.raises(ValueError) as err:
-        apply_ep(model, _Mesh(2))
-    assert str(err.value) == "ep=2: expert sharding of 1 MoE layers is not available in this build; use ep=1."
+def test_validate_ep_names_the_fields():
+    from kempnerforge.parallel.expert_parallel import validate_ep
+
+    validate_ep(2, 8)
+    validate_ep(1, 0)
+    with pytest.raises(ValueError, match=r"num_experts=6 must be divisible by ep=4; allowed ep: \[1, 2, 3, 6\]"):
+        validate_ep(4, 6)
+    with pytest.raises(ValueError, match="ep=2 needs MoE layers"):
+        validate_ep(2, 0)

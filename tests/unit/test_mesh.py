@@ -44,12 +44,19 @@ def test_dp_shard_zero_refused():
     [
         ("pp", "pipeline parallelism is not implemented"),
         ("cp", "context parallelism is not implemented"),
-        ("ep", "expert parallelism needs MoE layers"),
     ],
 )
 def test_unimplemented_axes_are_refused_not_ignored(field, message):
     with pytest.raises(MeshConfigError, match=message):
         ParallelDims(**{field: 2}, world_size=2)
+
+
+def test_ep_must_divide_dp_shard_and_excludes_dp_replicate():
+    assert ParallelDims(ep=2, world_size=4).dp_shard == 4
+    with pytest.raises(MeshConfigError, match=r"ep=3 must divide dp_shard=4.*allowed ep: \[1, 2, 4\]"):
+        ParallelDims(ep=3, world_size=4)
+    with pytest.raises(MeshConfigError, match="ep=2 with dp_replicate=2 is not supported"):
+        ParallelDims(ep=2, dp_replicate=2, world_size=4)
 
 
 def test_strategy_refuses_bad_degrees_at_construction():

@@ -1,0 +1,155 @@
+"""Conversion between kempnerforge's MoE ``Transformer`` (softmax router) and HF ``MixtralForCausalLM``.
+
+Attention, norms, embedding and head reuse the Llama mapping (:mod:`kempnerforge.checkpoint.hf_llama`).
+Each MoE layer maps as (transformers >= 5 keeps Mixtral experts packed):
+
+- ``layers.{i}.moe.router.gate.weight`` (E, dim) <-> ``model.layers.{i}.mlp.gate.weight``
+- ``cat([moe.experts.w1, moe.experts.w3], dim=1)`` (E, 2 * hidden, dim) <-> ``mlp.experts.gate_up_proj``
+- ``moe.experts.w2`` (E, dim, hidden) <-> ``mlp.experts.down_proj``
+
+The softmax router's ``expert_bias`` buffer is always zero and has no HF counterpart.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+from kempnerforge.checkpoint import hf_llama
+from kempnerforge.config.model import ModelConfig
+
+_MOE_KEY = re.compile(r"^layers\.(\d+)\.moe\.(router\.gate\.weight|router\.expert_bias|experts\.w[123])$")
+_HF_MOE_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+
+
+def check_mixtral_compatible(cfg: ModelConfig) -> None:
+    """Refuse configs Mixtral cannot represent.
+
+    Raises:
+        ValueError: naming the field: ``num_experts`` == 0, ``moe_frequency`` != 1, ``n_shared_experts``
+            != 0, ``router`` != 'softmax', ``router_renormalize`` False, ``route_scale`` != 1,
+            ``capacity_factor`` != 0 (Mixtral never drops tokens), ``qk_norm``.
+    """
+    rules = (
+        ("num_experts", cfg.num_experts > 0, "> 0"),
+        ("moe_frequency", cfg.moe_frequency == 1, "1"),
+        ("n_shared_experts", cfg.n_shared_experts == 0, "0"),
+        ("router", cfg.router == "softmax", "'softmax'"),
+        ("router_renormalize", cfg.router_renormalize, "True"),
+        ("route_scale", cfg.route_scale == 1.0, "1.0"),
+        ("capacity_factor", cfg.capacity_factor == 0, "0"),
+        ("qk_norm", not cfg.qk_norm, "False"),
+    )
+    for field, ok, allowed in rules:
+        if not ok:
+            raise ValueError(
+                f"ModelConfig.{field}={getattr(cfg, field)!r} has no MixtralForCausalLM equivalent; allowed: {allowed}"
+            )
+
+
+def to_hf_config(cfg: ModelConfig):
+    """The ``transformers.MixtralConfig`` describing the same network as ``cfg`` (no sliding window,
+    no router jitter).
+
+    Raises:
+        ValueError: see :func:`check_mixtral_compatible`.
+    """
+    from transformers import MixtralConfig  # local import: transformers is slow to import
+
+    check_mixtral_compatible(cfg)
+    llama = hf_llama.to_hf_config(cfg)
+    return MixtralConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.expert_hidden,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads_resolved,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len,
+        initializer_range=cfg.init_std,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters=llama.rope_parameters,
+        sliding_window=None,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+    )
+
+
+def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our MoE state dict under HF ``MixtralForCausalLM`` keys (expert w1/w3 are concatenated, a copy).
+
+    Raises:
+        ValueError: see :func:`check_mixtral_compatible`.
+        KeyError: naming a key with no Mixtral counterpart.
+    """
+    check_mixtral_compatible(cfg)
+    dense, out = {}, {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in sd.items():
+        match = _MOE_KEY.match(key)
+        if match is None:
+            dense[key] = value
+            continue
+        layer, name = match.groups()
+        if name == "router.gate.weight":
+            out[f"model.layers.{layer}.mlp.gate.weight"] = value
+        elif name.startswith("experts."):
+            experts.setdefault(layer, {})[name[-2:]] = value
+    for layer, w in experts.items():
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([w["w1"], w["w3"]], dim=1)
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = w["w2"]
+    out.update(hf_llama.to_hf_state_dict(dense, cfg))
+    return out
+
+
+def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF ``MixtralForCausalLM`` state dict under our keys; loads with ``Transformer(cfg).load_state_dict``
+    (``strict=True``; the router ``expert_bias`` buffers are emitted as zeros).
+
+    Raises:
+        ValueError: see :func:`check_mixtral_compatible`.
+        KeyError: naming an HF key with no counterpart, or missing weights.
+    """
+    check_mixtral_compatible(cfg)
+    dense, out = {}, {}
+    for key, value in sd.items():
+        match = _HF_MOE_KEY.match(key)
+        if match is None:
+            dense[key] = value
+            continue
+        layer, name = match.groups()
+        prefix = f"layers.{layer}.moe"
+        if name == "gate.weight":
+            out[f"{prefix}.router.gate.weight"] = value
+            out[f"{prefix}.router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
+        elif name == "experts.gate_up_proj":
+            out[f"{prefix}.experts.w1"], out[f"{prefix}.experts.w3"] = value.chunk(2, dim=1)
+        else:
+            out[f"{prefix}.experts.w2"] = value
+    out.update(_dense_from_hf(dense, cfg))
+    return out
+
+
+def _dense_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    # Llama's renames; not hf_llama.from_hf_state_dict, whose missing-key check wants dense MLP weights.
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        if key in hf_llama._TOP_KEYS_INV:
+            if key == "lm_head.weight" and cfg.tie_embeddings:
+                continue
+            out[hf_llama._TOP_KEYS_INV[key]] = value
+            continue
+        match = hf_llama._HF_BLOCK.match(key)
+        if match is None or match.group(2) not in hf_llama._BLOCK_KEYS_INV:
+            raise KeyError(f"from_hf_state_dict: no kempnerforge name for HF key {key!r}")
+        out[f"layers.{match.group(1)}.{hf_llama._BLOCK_KEYS_INV[match.group(2)]}"] = value
+    if cfg.tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out

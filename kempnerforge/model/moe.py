@@ -1,0 +1,240 @@
+"""Mixture-of-Experts feed-forward: router, packed routed experts (grouped GEMM), shared experts.
+
+Follows Mixtral (arXiv:2401.04088) and Qwen-MoE for softmax routing, DeepSeek-V3 (arXiv:2412.19437)
+for sigmoid routing with shared experts, Switch Transformer (arXiv:2101.03961) for capacity, and
+torchtitan v0.2 (``torchtitan/models/moe``) for packed expert weights run through ``torch._grouped_mm``.
+Numerically equal to the HF ``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` / ``DeepseekV3MoE``
+with the weights copied (see ``tests/unit/test_moe_hf_parity.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.mlp import FeedForward
+from kempnerforge.model.router import Router, load_balancing_loss, sequence_balance_loss, z_loss
+from kempnerforge.parallel.ep_dispatch import ScaleGrad, dispatch_combine
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """True when this torch build runs ``torch._grouped_mm`` for ``x``'s device and dtype (probed once
+    per (device type, dtype); the answer is cached)."""
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_MM_PROBE:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.ones(2, 8, device=x.device, dtype=x.dtype)
+                b = torch.ones(2, 8, 8, device=x.device, dtype=x.dtype)
+                torch._grouped_mm(a, b, offs=torch.tensor([1, 2], device=x.device, dtype=torch.int32))
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED_MM_PROBE[key] = ok
+    return _GROUPED_MM_PROBE[key]
+
+
+_GROUPED_MM_PROBE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_grouped: bool = True) -> torch.Tensor:
+    """Row groups of ``x`` times their expert's weight: ``out[rows of e] = x[rows of e] @ w[e].T``.
+
+    Uses ``torch._grouped_mm`` (one kernel, no host sync) when ``use_grouped`` and the build supports
+    it for this device/dtype; otherwise an exact per-expert loop over ``x.split(counts)`` (one host
+    sync for the split sizes). Experts with zero rows are fine on both paths.
+
+    Args:
+        x: (rows, in) rows sorted by expert.
+        w: (num_experts, out, in) packed expert weights (nn.Linear layout per expert).
+        counts: (num_experts,) int64 rows per expert, summing to ``rows``.
+        use_grouped: allow the grouped kernel (False forces the loop, e.g. for tests).
+
+    Returns:
+        (rows, out) in ``x``'s dtype.
+    """
+    if use_grouped and grouped_mm_supported(x):
+        offs = torch.cumsum(counts, dim=0).to(torch.int32)
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        if out.requires_grad:
+            # The CPU backward rejects expanded (stride-0) output grads, e.g. from a plain .sum().
+            out.register_hook(lambda g: g.contiguous())
+        return out
+    chunks = x.split(counts.tolist())
+    return torch.cat([chunk @ w[e].T for e, chunk in enumerate(chunks)], dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts with packed weights: ``w2_e(silu(w1_e x) * w3_e x)``.
+
+    Parameters ``w1``, ``w3``: (num_experts, hidden, dim); ``w2``: (num_experts, dim, hidden). Expert
+    parallelism shards them on dim 0. HF Mixtral's ``gate_up_proj`` is ``cat([w1, w3], dim=1)`` and its
+    ``down_proj`` is ``w2``.
+
+    Under expert parallelism (:func:`kempnerforge.parallel.expert_parallel.apply_ep` sets ``ep_group``),
+    the weights are DTensors sharded on dim 0 over the ``ep`` mesh, and rows travel to the rank owning
+    their expert and back (:func:`~kempnerforge.parallel.ep_dispatch.dispatch_combine`).
+
+    Shapes: forward(x (rows, dim) sorted by expert, counts (num_experts,)) -> (rows, dim).
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = True
+        self.ep_group = None
+        self.ep_size = 1
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Run each row through its expert (see :func:`grouped_mm`)."""
+        if self.ep_group is None:
+            return self._local(x, counts)
+        return dispatch_combine(x, counts, self.ep_group, self.ep_size, self._local)
+
+    def _weight(self, w: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, DTensor):  # expert-parallel: this rank's experts only
+            return ScaleGrad.apply(w.to_local(), 1.0 / self.ep_size)
+        return w
+
+    def _local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self._weight(self.w1), self._weight(self.w2), self._weight(self.w3)
+        g = self.use_grouped_mm
+        h = F.silu(grouped_mm(x, w1, counts, g)) * grouped_mm(x, w3, counts, g)
+        return grouped_mm(h, w2, counts, g)
+
+
+@dataclass
+class MoEStats:
+    """Detached statistics of one MoE forward (read by the training loop for balancing and logging).
+
+    Attributes:
+        counts: (num_experts,) fp32 assignments routed to each expert, before capacity dropping.
+        dropped: scalar fp32 number of assignments dropped by the capacity limit.
+        assignments: tokens * top_k of this forward.
+        lb_loss, seq_loss, z_loss: scalar fp32 values of the three auxiliary losses (unweighted).
+    """
+
+    counts: torch.Tensor
+    dropped: torch.Tensor
+    assignments: int
+    lb_loss: torch.Tensor
+    seq_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+class MoE(nn.Module):
+    """Routed + shared experts replacing a block's dense feed-forward.
+
+    ``out = sum_k w_k * expert_{i_k}(x) + gate(x) * sum_s shared_s(x)`` per token (gate = 1 unless
+    ``shared_expert_gate``). With ``capacity_factor`` c > 0, expert capacity is
+    ``ceil(c * tokens * top_k / num_experts)`` and the assignments beyond it, in token order, are
+    dropped (their tokens keep only the residual and the shared experts, Switch Transformer sec. 2.2).
+
+    Under activation checkpointing (``save_routing``, set by
+    :func:`kempnerforge.parallel.activation_checkpoint.apply_ac`) the recomputation reuses the expert
+    indices chosen by the original forward, so a bias update or a kernel's non-determinism between
+    forward and backward cannot change the routing.
+
+    After each forward, :attr:`aux_loss` holds the weighted sum of the enabled auxiliary losses
+    (differentiable, scalar fp32; 0 when all weights are 0) and :attr:`stats` the detached
+    :class:`MoEStats`. Neither is in the state dict.
+
+    Shapes: forward(x (batch, seq, dim)) -> (batch, seq, dim).
+    """
+
+    is_moe = True
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.expert_hidden
+        self.router = Router(
+            config.dim,
+            config.num_experts,
+            config.top_k,
+            config.router,
+            config.router_renormalize,
+            config.route_scale,
+        )
+        self.experts = GroupedExperts(config.dim, hidden, config.num_experts)
+        self.shared_experts = nn.ModuleDict(
+            {str(i): FeedForward(config.dim, hidden) for i in range(config.n_shared_experts)}
+        )
+        self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.shared_expert_gate else None
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: MoEStats | None = None
+        # Set by apply_ac on checkpointed blocks: the forward keeps its expert choice so the
+        # recomputation in backward routes exactly the same tokens (not in the state dict).
+        self.save_routing = False
+        self._saved_indices: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route, run the experts, combine (see class docstring)."""
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        route = self.router(tokens, self._routing_for_recompute())
+        if self.save_routing and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._saved_indices = route.indices.detach()  # one slot: the next backward's recompute uses it
+        flat_experts = route.indices.reshape(-1)  # (tokens * top_k,), assignment a = token * k + slot
+        # scatter_add, not bincount: bincount's output size depends on the data (a host sync on CUDA).
+        counts = torch.zeros(self.config.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+        # Stable sort: assignments grouped by expert, in token order inside each group.
+        order = torch.argsort(flat_experts, stable=True)
+        kept_counts, dropped = counts, torch.zeros((), device=x.device)
+        if self.config.capacity_factor > 0:
+            order, kept_counts = self._apply_capacity(order, flat_experts, counts)
+            dropped = (counts - kept_counts).sum().float()
+        token_idx = order // self.config.top_k
+        routed = self.experts(tokens[token_idx], kept_counts)
+        gate_w = route.weights.reshape(-1)[order].to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_idx, routed * gate_w[:, None])
+        if len(self.shared_experts):
+            shared = sum(expert(tokens) for expert in self.shared_experts.values())
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
+            out = out + shared
+        self._record(route, counts, dropped, batch)
+        return out.view(batch, seq, dim)
+
+    def _routing_for_recompute(self) -> torch.Tensor | None:
+        """The expert choice saved by the original forward when this forward is an activation-checkpointing
+        recomputation (it runs inside a backward graph task), else None (route afresh)."""
+        if not self.save_routing or torch._C._current_graph_task_id() == -1:
+            return None
+        indices, self._saved_indices = self._saved_indices, None
+        return indices
+
+    def _apply_capacity(
+        self, order: torch.Tensor, flat_experts: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the first ``capacity`` assignments of each expert (``order`` is grouped by expert)."""
+        cfg = self.config
+        capacity = math.ceil(cfg.capacity_factor * flat_experts.numel() / cfg.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        sorted_experts = flat_experts[order]
+        position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
+        return order[position < capacity], counts.clamp(max=capacity)
+
+    def _record(self, route, counts: torch.Tensor, dropped: torch.Tensor, batch: int) -> None:
+        cfg = self.config
+        lb = load_balancing_loss(route.probs, counts, cfg.top_k)
+        seq_l = sequence_balance_loss(route.probs, route.indices, batch)
+        z = z_loss(route.logits)
+        aux = torch.zeros((), device=lb.device)
+        for weight, value in ((cfg.aux_loss_weight, lb), (cfg.seq_aux_loss_weight, seq_l), (cfg.z_loss_weight, z)):
+            if weight > 0:
+                aux = aux + weight * value
+        self.aux_loss = aux
+        self.stats = MoEStats(
+            counts.detach().float(), dropped, route.indices.numel(), lb.detach(), seq_l.detach(), z.detach()
+        )
