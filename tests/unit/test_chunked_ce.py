@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,10 +54,10 @@ def test_model_forward_with_labels_equals_logits_path_and_validates():
         chunked_linear_cross_entropy_sum(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), 2)
 
 
-def _train(chunk: int, samples) -> CausalLM:
+def _train(chunk: int, samples, cfg: ModelConfig = CFG) -> CausalLM:
     from kempnerforge.strategies import KempnerStrategy
 
-    module = CausalLM(CFG, loss_chunk_size=chunk, init_seed=1)
+    module = CausalLM(cfg, loss_chunk_size=chunk, init_seed=1)
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -71,11 +73,13 @@ def _train(chunk: int, samples) -> CausalLM:
     return module
 
 
-def test_three_training_steps_match_the_plain_loss():
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_three_training_steps_match_the_plain_loss(moe):
+    cfg = replace(CFG, num_experts=4, top_k=2) if moe else CFG  # MoE: aux losses ride on the same step
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, CFG.vocab_size, (12, 17), generator=gen)
     samples = [{"input_ids": r[:-1], "labels": r[1:]} for r in ids]
-    a, b = _train(0, samples), _train(6, samples)
+    a, b = _train(0, samples, cfg), _train(6, samples, cfg)
     for (name, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
