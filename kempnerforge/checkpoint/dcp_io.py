@@ -8,12 +8,13 @@ One checkpoint is a directory written by every rank (PyTorch Distributed Checkpo
         .metadata, __*_*.distcp    DCP: model and optimizer shards (every rank)
         meta.pt                    Lightning state: loops, callbacks, LR schedulers, hparams (rank 0)
         rank_00000.pt ...          per-rank state: RNG, dataloader position (every rank)
+        COMPLETE                   completion marker, written after every rank finished (rank 0)
       step=00000200.ckpt.partial/  a save in progress (renamed when every rank has finished)
       latest                       text: the name of the newest complete checkpoint
 
 A save goes to ``<name>.partial`` and is renamed into place only after all ranks finished writing,
 then ``latest`` is replaced atomically, so a crash mid-save never leaves a directory that looks
-complete and never moves ``latest``.
+complete and never moves ``latest``. A directory without ``COMPLETE`` is never chosen for a resume.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 META_FILE = "meta.pt"
 LATEST_FILE = "latest"
 PARTIAL_SUFFIX = ".partial"
+COMPLETE_FILE = "COMPLETE"
 
 
 class CheckpointError(RuntimeError):
@@ -90,8 +92,9 @@ class DCPCheckpointIO(CheckpointIO):
         torch.save(checkpoint.pop("rank_state", {}), rank_file(tmp, _rank()))
         if _rank() == 0:
             torch.save({**checkpoint, "world_size": _world()}, tmp / META_FILE)
-        _barrier()
+        _barrier()  # every rank has written its shards and rank file
         if _rank() == 0:
+            (tmp / COMPLETE_FILE).write_text(f"world_size={_world()}\n")
             if path.exists():
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
             os.replace(tmp, path)
@@ -113,7 +116,7 @@ class DCPCheckpointIO(CheckpointIO):
 
         Raises:
             CheckpointError: the path does not exist, is a save in progress / crashed save, or is
-                missing DCP metadata, ``meta.pt`` or a rank file (names what is missing).
+                missing DCP metadata, ``meta.pt`` or the ``COMPLETE`` marker (names what is missing).
         """
         path = Path(path)
         if not path.exists():
@@ -125,7 +128,7 @@ class DCPCheckpointIO(CheckpointIO):
                 f"{path} is a partial checkpoint (a save that did not finish); resume from the directory "
                 f"that {path.parent / LATEST_FILE} names instead."
             )
-        missing = [n for n in (".metadata", META_FILE) if not (path / n).is_file()]
+        missing = [n for n in (".metadata", META_FILE, COMPLETE_FILE) if not (path / n).is_file()]
         if missing:
             raise CheckpointError(
                 f"{path} is not a complete kempnerforge checkpoint: missing {', '.join(missing)}. "

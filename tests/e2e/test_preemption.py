@@ -1,0 +1,75 @@
+"""Check 1: real 2-process `kforge fit` runs preempted by SIGTERM / SIGUSR1 or killed mid-save resume exactly."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+
+from tests.e2e.preempt_helpers import MAX_STEPS, children, log_text, losses, start, wait_for, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, shakespeare_tokens) -> dict[int, float]:
+    """The uninterrupted run's loss per step."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = write_config(tmp, shakespeare_tokens)
+    proc = start(cfg)
+    assert proc.wait(timeout=300) == 0, log_text(cfg)[-3000:]
+    found = losses(tmp)
+    assert sorted(found) == list(range(MAX_STEPS)), found
+    return found
+
+
+def _preempt_and_resume(tmp, data, reference, signum: int, target: str) -> None:
+    cfg = write_config(tmp, data)
+    k = random.Random().randint(2, 9)
+    proc = start(cfg)
+    wait_for(lambda: len(losses(tmp)) >= k, proc)
+    pid = proc.pid if target == "rank0" else children(proc.pid)[0]
+    os.kill(pid, signum)  # one rank only: the flag is agreed across ranks at the next step boundary
+    assert proc.wait(timeout=120) == 0, log_text(cfg)[-3000:]
+    first = losses(tmp)
+    stopped = max(first) + 1
+    assert stopped < MAX_STEPS, f"signal at step >= {k} came too late to interrupt"
+    latest = (tmp / "ckpt" / "latest").read_text().strip()
+    assert latest == f"step={stopped:06d}.ckpt"
+    assert (tmp / "ckpt" / latest / "COMPLETE").is_file()
+
+    proc = start(cfg)  # the identical command resumes by itself
+    assert proc.wait(timeout=300) == 0, log_text(cfg)[-3000:]
+    assert f"resuming from {tmp / 'ckpt' / latest}" in log_text(cfg)
+    assert (tmp / "ckpt" / "latest").read_text().strip() == f"step={MAX_STEPS:06d}.ckpt"
+    assert losses(tmp) == reference  # exact: fp32 CPU, same shards, RNG and data position
+
+
+def test_sigterm_to_rank0_saves_exits_0_and_resumes_exactly(tmp_path, shakespeare_tokens, reference):
+    _preempt_and_resume(tmp_path, shakespeare_tokens, reference, signal.SIGTERM, "rank0")
+
+
+def test_sigusr1_to_rank1_saves_exits_0_and_resumes_exactly(tmp_path, shakespeare_tokens, reference):
+    _preempt_and_resume(tmp_path, shakespeare_tokens, reference, signal.SIGUSR1, "rank1")
+
+
+def test_kill_9_during_save_resumes_from_previous_complete_checkpoint(tmp_path, shakespeare_tokens, reference):
+    cfg = write_config(tmp_path, shakespeare_tokens)
+    ckpt = tmp_path / "ckpt"
+    proc = start(cfg)
+    # The step-8 save in progress: a .partial directory while `latest` still names step 4.
+    wait_for(lambda: (ckpt / "latest").is_file() and any(ckpt.glob("*.partial")), proc, poll=0.002)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job dies, every rank at once
+    proc.wait(timeout=60)
+    partial = list(ckpt.glob("*.partial"))
+    assert partial, "the kill did not land during a save"
+    assert (ckpt / "latest").read_text().strip() == "step=000004.ckpt"
+
+    proc = start(cfg)
+    assert proc.wait(timeout=300) == 0, log_text(cfg)[-3000:]
+    assert f"resuming from {ckpt / 'step=000004.ckpt'}" in log_text(cfg)
+    assert (ckpt / "latest").read_text().strip() == f"step={MAX_STEPS:06d}.ckpt"
+    resumed = losses(tmp_path)
+    assert resumed == reference  # steps 4.. were redone from the step-4 checkpoint and match exactly
