@@ -12,11 +12,11 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_STEPS = 12
+MAX_STEPS = 10
 
 
 def write_config(tmp: Path, data_dir: Path, extra_callbacks: list[dict] | None = None) -> Path:
-    """debug.yaml shrunk to a ~3M-parameter model (mostly the embedding), 12 steps, CSV losses every step."""
+    """debug.yaml shrunk to a ~3M-parameter model (mostly the embedding), 10 steps, CSV losses every step."""
     cfg = yaml.safe_load((REPO / "configs" / "debug.yaml").read_text())
     cfg["trainer"].update(
         devices=2,
