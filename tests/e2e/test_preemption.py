@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 
 import pytest
 
@@ -74,3 +75,52 @@ def test_kill_9_during_save_resumes_from_previous_complete_checkpoint(tmp_path, 
     assert (ckpt / "latest").read_text().strip() == "step=000008.ckpt"
     resumed = losses(tmp_path)
     assert resumed == reference  # steps 4.. were redone from the step-4 checkpoint and match exactly
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_slurm_two_tasks_preempted_requeue_once_and_match_reference(tmp_path, shakespeare_tokens, reference):
+    """Check 2: two srun-like tasks (SLURM_* variables, no Lightning launcher) both get SIGTERM, as SLURM
+    sends it; they save one checkpoint, exit 0, and rank 0 alone calls the fake `scontrol requeue <job>`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.calls"}\n')
+    scontrol.chmod(0o755)
+    cfg = write_config(
+        tmp_path,
+        shakespeare_tokens,
+        [{"class_path": "kempnerforge.callbacks.Preemption", "init_args": {"requeue": True}}],
+    )
+    slurm = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "kf-test",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
+    procs = [
+        start(cfg, {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}, log=tmp_path / f"task{r}.log")
+        for r in range(2)
+    ]
+    wait_for(lambda: len(losses(tmp_path)) >= 3, procs[0])
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGTERM)
+    codes = [proc.wait(timeout=120) for proc in procs]
+    logs = [(tmp_path / f"task{r}.log").read_text() for r in range(2)]
+    assert codes == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in logs[0] and "GLOBAL_RANK: 1, MEMBER: 2/2" in logs[1]
+    assert (tmp_path / "scontrol.calls").read_text().splitlines() == ["requeue 4242"]
+    got = losses(tmp_path)
+    stopped = max(got) + 1
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step={stopped:06d}.ckpt"
+    assert got == {s: reference[s] for s in range(stopped)}  # same sharding and data as the launcher run
