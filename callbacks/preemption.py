@@ -73,6 +73,10 @@ class Preemption(Callback):
         log.warning("Preemption: signal received; saving %s at step %d and stopping.", path, trainer.global_step)
         trainer.save_checkpoint(path)
         self.saved_path = path
+        if isinstance(trainer.checkpoint_callback, ModelCheckpoint):
+            # ModelCheckpoint runs after this callback: without this it saves the same step again
+            # under a "-v1" name (its own duplicate-step guard, a private attribute in Lightning 2.6).
+            trainer.checkpoint_callback._last_global_step_saved = trainer.global_step
         if self.requeue and trainer.is_global_zero:
             requeue_slurm_job()
         trainer.should_stop = True
