@@ -262,6 +262,12 @@ class KempnerStrategy(ModelParallelStrategy):
         )
         return meta
 
+    def teardown(self) -> None:
+        """Complete a pending async checkpoint (``ModelParallelStrategy.teardown`` skips
+        ``checkpoint_io.teardown``), then Lightning's teardown."""
+        self.checkpoint_io.teardown()
+        super().teardown()
+
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` rotation)."""
         if self.is_global_zero:
