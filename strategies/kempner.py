@@ -74,6 +74,9 @@ class KempnerStrategy(ModelParallelStrategy):
         cpu_keep_freed_memory: on CPU, tell glibc malloc to keep freed memory for the next step
             instead of unmapping it (:func:`kempnerforge.strategies.cpu_malloc.keep_freed_memory`;
             20-30% faster CPU steps, host memory stays at one step's peak). No effect on CUDA runs.
+        async_checkpoint: write DCP shards in the background after a staged copy
+            (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO` ``async_save``); the ``COMPLETE``
+            marker and ``latest`` still move only once every rank finished (at the next save or end of fit).
 
     Raises:
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
@@ -105,6 +108,7 @@ class KempnerStrategy(ModelParallelStrategy):
         ac_every_n: int = 2,
         compile: bool = False,
         cpu_keep_freed_memory: bool = True,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -143,7 +147,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.compile = compile
         self.cpu_keep_freed_memory = cpu_keep_freed_memory
         self.parallel_mesh: ParallelMesh | None = None
-        self._checkpoint_io = DCPCheckpointIO()
+        self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint)
 
     # -- environment and mesh -------------------------------------------------------------------
 

@@ -75,8 +75,7 @@ class DCPCheckpointIO(CheckpointIO):
     Args:
         async_save: write the DCP shards in the background (see the module docstring); at most one
             save is in flight, and it is completed (marker, rename, ``latest``) before the next one starts.
-            Enable from YAML as a Trainer plugin:
-            ``plugins: [{class_path: kempnerforge.checkpoint.dcp_io.DCPCheckpointIO, init_args: {async_save: true}}]``.
+            Enabled through ``KempnerStrategy(async_checkpoint=True)``.
 
     Raises:
         ValueError: ``async_save`` is not a bool.

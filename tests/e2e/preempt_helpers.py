@@ -15,7 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 10
 
 
-def write_config(tmp: Path, data_dir: Path, extra_callbacks: list[dict] | None = None) -> Path:
+def write_config(
+    tmp: Path, data_dir: Path, extra_callbacks: list[dict] | None = None, async_save: bool = False
+) -> Path:
     """debug.yaml shrunk to a ~3M-parameter model (mostly the embedding), 10 steps, CSV losses every step."""
     cfg = yaml.safe_load((REPO / "configs" / "debug.yaml").read_text())
     cfg["trainer"].update(
@@ -29,6 +31,7 @@ def write_config(tmp: Path, data_dir: Path, extra_callbacks: list[dict] | None =
             "init_args": {"save_dir": str(tmp / "runs"), "name": "t", "flush_logs_every_n_steps": 1},
         },
     )
+    cfg["trainer"]["strategy"]["init_args"]["async_checkpoint"] = async_save
     ckpt = cfg["trainer"]["callbacks"][0]["init_args"]
     ckpt.update(dirpath=str(tmp / "ckpt"), every_n_train_steps=4)
     cfg["trainer"]["callbacks"] += extra_callbacks or [{"class_path": "kempnerforge.callbacks.Preemption"}]

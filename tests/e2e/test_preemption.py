@@ -57,8 +57,13 @@ def test_sigterm_then_sigusr1_save_exit_0_and_resume_exactly(tmp_path, shakespea
     assert losses(tmp_path) == reference  # exact: fp32 CPU, same shards, RNG and data position
 
 
-def test_kill_9_during_save_resumes_from_previous_complete_checkpoint(tmp_path, shakespeare_tokens, reference):
-    cfg = write_config(tmp_path, shakespeare_tokens)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_kill_9_during_save_resumes_from_previous_complete_checkpoint(
+    tmp_path, shakespeare_tokens, reference, async_save
+):
+    """The whole job is killed while the step-8 save is in progress (async: while it uploads); the
+    rerun resumes from step 4, nothing is corrupt, and the redone steps match exactly."""
+    cfg = write_config(tmp_path, shakespeare_tokens, async_save=async_save)
     ckpt = tmp_path / "ckpt"
     proc = start(cfg)
     # The step-8 save in progress: a .partial directory while `latest` still names step 4.
