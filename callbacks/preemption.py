@@ -58,13 +58,18 @@ class Preemption(Callback):
         self.watchdog_s = watchdog_s
         self.saved_path: Path | None = None
         self._watchdog: Watchdog | None = None
+        self._seen_step = -1
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Install the flag-only handlers (Lightning registered its own just before this hook)."""
+        self._seen_step = trainer.global_step
         self.flag.install()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        """At the step boundary: agree on the flag; if any rank was signalled, save on all ranks and stop."""
+        """At an optimizer-step boundary: agree on the flag; if any rank was signalled, save on all ranks and stop."""
+        if trainer.global_step == self._seen_step:
+            return  # a gradient-accumulation micro-batch: saving here would lose the partial gradients
+        self._seen_step = trainer.global_step
         if not agree_any(self.flag.received is not None, device=pl_module.device):
             return
         self._watchdog = Watchdog(self.watchdog_s)

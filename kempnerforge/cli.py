@@ -14,6 +14,7 @@ import jsonargparse
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from kempnerforge.callbacks import Preemption
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
 from kempnerforge.resilience.auto_resume import checkpoint_dir, find_resume_checkpoint
@@ -56,12 +57,13 @@ def resolve_auto_ckpt_path(config: Any, trainer: Any) -> None:
     """Replace ``ckpt_path == "auto"`` in a subcommand's config by the newest complete checkpoint or None."""
     if str(config.get("ckpt_path")) != AUTO:
         return
-    preemption = [cb for cb in trainer.callbacks if type(cb).__name__ == "Preemption" and cb.dirpath is not None]
+    preemption = [cb for cb in trainer.callbacks if isinstance(cb, Preemption) and cb.dirpath is not None]
     folder = checkpoint_dir(trainer, preemption[0].dirpath if preemption else None)
     found = find_resume_checkpoint(folder)
-    rank_zero_info(
-        f"Auto-resume: {'resuming from ' + str(found) if found else 'no complete checkpoint in ' + str(folder) + ', starting fresh'}."
-    )
+    if found is None:
+        rank_zero_info(f"Auto-resume: no complete checkpoint in {folder}; starting fresh.")
+    else:
+        rank_zero_info(f"Auto-resume: resuming from {found}.")
     config["ckpt_path"] = str(found) if found is not None else None
 
 

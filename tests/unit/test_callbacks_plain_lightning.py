@@ -74,3 +74,21 @@ def test_checkpoint_retention_prunes_plain_ckpt_files(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step=2.ckpt", "step=3.ckpt"]
     with pytest.raises(ValueError, match="keep_last=0 must be an integer >= 1"):
         CheckpointRetention(keep_last=0)
+
+
+def test_preemption_waits_for_the_optimizer_step_with_gradient_accumulation(tmp_path):
+    preemption = Preemption(signals=["SIGUSR1"])
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        callbacks=[_SignalAtFirstBatch(), preemption],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(BoringModel())
+    assert trainer.global_step == 1  # signalled at micro-batch 0, saved after micro-batch 1 (the step)
+    assert preemption.saved_path == tmp_path / "checkpoints" / "step=000001.ckpt"
+    assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == 1
