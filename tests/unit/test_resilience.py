@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -115,3 +117,10 @@ def test_lightning_picks_slurm_environment_with_right_ranks(monkeypatch):
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False)
     assert isinstance(trainer._accelerator_connector.cluster_environment, SLURMEnvironment)
     assert (trainer.global_rank, trainer.local_rank, trainer.world_size) == (1, 1, 2)
+
+
+def test_watchdog_ends_a_stalled_process():
+    code = "from kempnerforge.resilience.watchdog import Watchdog; import time; Watchdog(0.2, exit_code=3).start(); time.sleep(30)"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert proc.returncode == 3 and time.monotonic() - start < 25
