@@ -8,15 +8,21 @@ text into shards. Under ``srun`` Lightning detects ``SLURMEnvironment`` itself.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import jsonargparse
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from kempnerforge.callbacks import Preemption
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
+from kempnerforge.resilience.auto_resume import checkpoint_dir, find_resume_checkpoint
 
 #: Tools that are not Lightning subcommands, dispatched before LightningCLI parses ``argv``.
 TOOLS = ("prepare-data",)
+#: ``--ckpt_path`` value (the default) that resumes from the newest complete checkpoint, if any.
+AUTO = "auto"
 
 
 class KForgeCLI(LightningCLI):
@@ -24,11 +30,41 @@ class KForgeCLI(LightningCLI):
 
     Links ``model.config.vocab_size`` into ``data.vocab_size`` so the data is checked against the
     model's vocabulary before anything is allocated.
+
+    Auto-resume: ``--ckpt_path`` defaults to ``auto``, which resumes from the newest complete
+    checkpoint in the checkpoint folder (a ``Preemption`` callback's ``dirpath``, else the
+    ``ModelCheckpoint``'s) and starts fresh when there is none; ``--ckpt_path null`` forces a fresh start.
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Link the model's vocabulary size into the data module."""
         parser.link_arguments("model.config.vocab_size", "data.vocab_size")
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        # `ckpt_path` only exists once Lightning added the Trainer method's arguments (after
+        # add_arguments_to_parser), so its default is changed here.
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "fit":
+            parser.set_defaults({"ckpt_path": AUTO})
+        return parser
+
+    def before_fit(self) -> None:
+        """Resolve ``--ckpt_path auto`` (the ``fit`` default) before ``Trainer.fit`` runs."""
+        resolve_auto_ckpt_path(self.config_init[self.subcommand], self.trainer)
+
+
+def resolve_auto_ckpt_path(config: Any, trainer: Any) -> None:
+    """Replace ``ckpt_path == "auto"`` in a subcommand's config by the newest complete checkpoint or None."""
+    if str(config.get("ckpt_path")) != AUTO:
+        return
+    preemption = [cb for cb in trainer.callbacks if isinstance(cb, Preemption) and cb.dirpath is not None]
+    folder = checkpoint_dir(trainer, preemption[0].dirpath if preemption else None)
+    found = find_resume_checkpoint(folder)
+    if found is None:
+        rank_zero_info(f"Auto-resume: no complete checkpoint in {folder}; starting fresh.")
+    else:
+        rank_zero_info(f"Auto-resume: resuming from {found}.")
+    config["ckpt_path"] = str(found) if found is not None else None
 
 
 def _run_tool(name: str, argv: list[str]) -> None:

@@ -76,6 +76,9 @@ class KempnerStrategy(ModelParallelStrategy):
             ~30% faster CPU steps for one model training alone (the debug recipe turns it on), but
             the heap can fragment and grow when several models with different shapes allocate in one
             process, so it is off by default. No effect on CUDA runs.
+        async_checkpoint: write DCP shards in the background after a staged copy
+            (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO` ``async_save``); the ``COMPLETE``
+            marker and ``latest`` still move only once every rank finished (at the next save or end of fit).
 
     Raises:
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
@@ -107,6 +110,7 @@ class KempnerStrategy(ModelParallelStrategy):
         ac_every_n: int = 2,
         compile: bool = False,
         cpu_keep_freed_memory: bool = False,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -145,7 +149,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.compile = compile
         self.cpu_keep_freed_memory = cpu_keep_freed_memory
         self.parallel_mesh: ParallelMesh | None = None
-        self._checkpoint_io = DCPCheckpointIO()
+        self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint)
 
     # -- environment and mesh -------------------------------------------------------------------
 
@@ -264,6 +268,12 @@ class KempnerStrategy(ModelParallelStrategy):
             getattr(datamodule, "micro_batch_size", None),
         )
         return meta
+
+    def teardown(self) -> None:
+        """Complete a pending async checkpoint (``ModelParallelStrategy.teardown`` skips
+        ``checkpoint_io.teardown``), then Lightning's teardown."""
+        self.checkpoint_io.teardown()
+        super().teardown()
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` rotation)."""

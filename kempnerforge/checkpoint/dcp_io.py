@@ -8,18 +8,26 @@ One checkpoint is a directory written by every rank (PyTorch Distributed Checkpo
         .metadata, __*_*.distcp    DCP: model and optimizer shards (every rank)
         meta.pt                    Lightning state: loops, callbacks, LR schedulers, hparams (rank 0)
         rank_00000.pt ...          per-rank state: RNG, dataloader position (every rank)
+        COMPLETE                   completion marker, written after every rank finished (rank 0)
       step=00000200.ckpt.partial/  a save in progress (renamed when every rank has finished)
       latest                       text: the name of the newest complete checkpoint
 
 A save goes to ``<name>.partial`` and is renamed into place only after all ranks finished writing,
 then ``latest`` is replaced atomically, so a crash mid-save never leaves a directory that looks
-complete and never moves ``latest``.
+complete and never moves ``latest``. A directory without ``COMPLETE`` is never chosen for a resume.
+
+With ``async_save=True`` the DCP shards are written by ``torch.distributed.checkpoint.async_save``
+in a background thread after a synchronous copy of the state (staging) that finishes before
+``save_checkpoint`` returns, so the optimizer may change the parameters right away. The marker,
+the rename and ``latest`` wait until every rank's upload finished: they happen at the next save or
+at :meth:`DCPCheckpointIO.teardown` (end of ``fit``); until then the previous checkpoint stays latest.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 META_FILE = "meta.pt"
 LATEST_FILE = "latest"
 PARTIAL_SUFFIX = ".partial"
+COMPLETE_FILE = "COMPLETE"
 
 
 class CheckpointError(RuntimeError):
@@ -62,10 +71,27 @@ class DCPCheckpointIO(CheckpointIO):
     The strategy splits Lightning's checkpoint dict: tensors that are sharded (``state_dict``,
     ``optimizer_states``) go through DCP (:meth:`load_sharded` on the way back), and the rest goes
     to ``meta.pt`` (rank 0) and ``rank_*.pt`` (each rank) through :meth:`save_checkpoint`.
+
+    Args:
+        async_save: write the DCP shards in the background (see the module docstring); at most one
+            save is in flight, and it is completed (marker, rename, ``latest``) before the next one starts.
+            Enabled through ``KempnerStrategy(async_checkpoint=True)``.
+
+    Raises:
+        ValueError: ``async_save`` is not a bool.
     """
 
+    def __init__(self, async_save: bool = False) -> None:
+        super().__init__()
+        if not isinstance(async_save, bool):
+            raise ValueError(f"DCPCheckpointIO async_save={async_save!r} is not allowed; use True or False.")
+        self.async_save = async_save
+        self._pending: tuple[Future, Path, Path] | None = None
+        self._async_group: Any = None
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
-        """Write one checkpoint directory atomically and move ``latest`` to it.
+        """Write one checkpoint directory atomically and move ``latest`` to it (with ``async_save``:
+        stage and start the upload; completion happens at the next save or at :meth:`teardown`).
 
         Args:
             checkpoint: Lightning's dict with ``state_dict`` and ``optimizer_states`` holding sharded
@@ -78,6 +104,7 @@ class DCPCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError("DCPCheckpointIO.save_checkpoint does not take storage_options.")
+        self.finalize_pending()  # one save in flight at most; the previous one completes first
         path = Path(path)
         tmp = path.with_name(path.name + PARTIAL_SUFFIX)
         if _rank() == 0 and tmp.exists():
@@ -86,12 +113,39 @@ class DCPCheckpointIO(CheckpointIO):
         sharded = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             sharded[f"optimizer_{i}"] = opt_state
-        dcp.save(sharded, checkpoint_id=tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
         torch.save(checkpoint.pop("rank_state", {}), rank_file(tmp, _rank()))
         if _rank() == 0:
             torch.save({**checkpoint, "world_size": _world()}, tmp / META_FILE)
-        _barrier()
+        if self.async_save:
+            # Staging (a copy of every tensor) completes inside async_save, before it returns.
+            self._pending = (dcp.async_save(sharded, checkpoint_id=tmp, process_group=self._group()), tmp, path)
+            return
+        dcp.save(sharded, checkpoint_id=tmp)
+        self._commit(tmp, path)
+
+    def _group(self) -> Any:
+        # The background upload runs collectives; a group of its own keeps them apart from training's.
+        if self._async_group is None and dist.is_available() and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def finalize_pending(self) -> None:
+        """Wait for an async save's upload on this rank, then complete it on all ranks (collective)."""
+        if self._pending is not None:
+            future, tmp, path = self._pending
+            self._pending = None
+            future.result()
+            self._commit(tmp, path)
+
+    def teardown(self) -> None:
+        """Complete a pending async save (Lightning calls this at the end of ``fit``)."""
+        self.finalize_pending()
+
+    def _commit(self, tmp: Path, path: Path) -> None:
+        _barrier()  # every rank has written its shards and rank file
         if _rank() == 0:
+            (tmp / COMPLETE_FILE).write_text(f"world_size={_world()}\n")
             if path.exists():
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
             os.replace(tmp, path)
@@ -113,7 +167,7 @@ class DCPCheckpointIO(CheckpointIO):
 
         Raises:
             CheckpointError: the path does not exist, is a save in progress / crashed save, or is
-                missing DCP metadata, ``meta.pt`` or a rank file (names what is missing).
+                missing DCP metadata, ``meta.pt`` or the ``COMPLETE`` marker (names what is missing).
         """
         path = Path(path)
         if not path.exists():
@@ -125,7 +179,7 @@ class DCPCheckpointIO(CheckpointIO):
                 f"{path} is a partial checkpoint (a save that did not finish); resume from the directory "
                 f"that {path.parent / LATEST_FILE} names instead."
             )
-        missing = [n for n in (".metadata", META_FILE) if not (path / n).is_file()]
+        missing = [n for n in (".metadata", META_FILE, COMPLETE_FILE) if not (path / n).is_file()]
         if missing:
             raise CheckpointError(
                 f"{path} is not a complete kempnerforge checkpoint: missing {', '.join(missing)}. "

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kempnerforge.checkpoint.dcp_io import CheckpointError, DCPCheckpointIO
+from kempnerforge.checkpoint.dcp_io import LATEST_FILE, CheckpointError, DCPCheckpointIO
 from kempnerforge.checkpoint.train_state import (
     DataParallelMismatchError,
     collect_rng_state,
@@ -154,3 +154,25 @@ def test_remap_refuses_indivisible_positions_and_a_changed_global_batch():
         r"Set micro_batch_size=8",
     ):
         merge_rank_state(ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=1, micro_batch_size=4)
+
+
+def test_async_save_stages_before_returning_and_completes_only_at_finalize(tmp_path):
+    """Parameters changed right after ``save_checkpoint`` returns do not leak into the checkpoint, and
+    the marker, rename and ``latest`` wait for the upload (at the next save or at teardown)."""
+    from kempnerforge.resilience.auto_resume import find_resume_checkpoint
+
+    io = DCPCheckpointIO(async_save=True)
+    w = torch.arange(6.0)
+    io.save_checkpoint({"state_dict": {"w": w}, "optimizer_states": [], "rank_state": {}}, tmp_path / "step=1.ckpt")
+    w.add_(100.0)  # the optimizer updates in place while the upload runs
+    assert find_resume_checkpoint(tmp_path) is None  # not complete yet: never chosen
+    io.save_checkpoint({"state_dict": {"w": w}, "optimizer_states": [], "rank_state": {}}, tmp_path / "step=2.ckpt")
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "step=1.ckpt"  # the first save completed first
+    io.teardown()
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "step=2.ckpt"
+    for name, expected in (("step=1.ckpt", torch.arange(6.0)), ("step=2.ckpt", torch.arange(6.0) + 100)):
+        state = {"state_dict": {"w": torch.zeros(6)}}
+        io.load_sharded(state, io.resolve(tmp_path / name))
+        assert torch.equal(state["state_dict"]["w"], expected), name
+    with pytest.raises(ValueError, match="async_save='yes' is not allowed"):
+        DCPCheckpointIO(async_save="yes")

@@ -1,0 +1,116 @@
+"""NaN guard: stop, skip or roll back a step whose loss (or gradients) are not finite, agreed across ranks."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from kempnerforge.checkpoint.retention import protect
+from kempnerforge.resilience.auto_resume import checkpoint_dir, find_resume_checkpoint
+from kempnerforge.resilience.nonfinite import NonFiniteError, nonfinite_flag, restore_in_place
+from kempnerforge.resilience.signals import agree_any
+
+log = logging.getLogger(__name__)
+
+ACTIONS = ("raise", "skip", "rollback")
+
+
+class NaNGuard(Callback):
+    """Checks every optimizer step's loss (and optionally gradients) for NaN/Inf before the update.
+
+    The optimizer's ``step`` is wrapped: Lightning runs the step's closure (forward, backward,
+    ``on_before_optimizer_step``) inside it, so the wrapper sees the loss and the final gradients,
+    reduces a one-element flag across all ranks (MAX; one 4-byte readback per step, the only host
+    sync), and only then lets the update happen. A flagged step is never applied on any rank.
+
+    Actions:
+        ``raise``: :class:`NonFiniteError` naming the step (``trainer.global_step``, 0-based) on every rank.
+        ``skip``: no optimizer step on any rank (AdamW moments and step count untouched); counted in
+            ``skipped_steps``. The LR scheduler and ``global_step`` still advance (Lightning's loop).
+        ``rollback``: reload model, optimizer and scheduler from the newest complete checkpoint in the
+            checkpoint folder and continue; the data is not rewound (the batches since that checkpoint,
+            the offending one included, are not replayed). After ``max_rollbacks`` rollbacks it raises.
+
+    On any flagged step rank 0 protects the newest complete checkpoint from retention
+    (:func:`kempnerforge.checkpoint.retention.protect`): the last healthy one before the NaN is kept.
+
+    Args:
+        action: ``"raise"``, ``"skip"`` or ``"rollback"``.
+        check_grads: also check every gradient (catches NaNs in accumulation micro-batches too).
+        max_rollbacks: rollbacks allowed before giving up (``rollback`` only, >= 0).
+        dirpath: checkpoint folder (None: the ``ModelCheckpoint``'s).
+
+    Raises:
+        ValueError: an unknown action or a negative ``max_rollbacks``.
+    """
+
+    def __init__(
+        self, action: str = "skip", check_grads: bool = False, max_rollbacks: int = 3, dirpath: str | None = None
+    ) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"NaNGuard action={action!r} is not allowed; use one of {list(ACTIONS)}.")
+        if not isinstance(max_rollbacks, int) or max_rollbacks < 0:
+            raise ValueError(f"NaNGuard max_rollbacks={max_rollbacks!r} must be an integer >= 0.")
+        self.action = action
+        self.check_grads = check_grads
+        self.max_rollbacks = max_rollbacks
+        self.dirpath = dirpath
+        self.skipped_steps: list[int] = []
+        self.rollbacks = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Wrap each optimizer's ``step`` (idempotent)."""
+        for optimizer in trainer.optimizers:
+            if not getattr(optimizer.step, "_nan_guarded", False):
+                optimizer.step = self._wrap(trainer, pl_module, optimizer.step)
+
+    def _wrap(self, trainer: Trainer, pl_module: LightningModule, step: Any) -> Any:
+        @functools.wraps(step)
+        def guarded_step(closure: Any = None, **kwargs: Any) -> Any:
+            loss = closure() if closure is not None else None
+            params = pl_module.parameters() if self.check_grads else None
+            if agree_any(nonfinite_flag(loss, params), device=pl_module.device):
+                self._on_nonfinite(trainer)
+                return loss
+            step(**kwargs)
+            return loss
+
+        guarded_step._nan_guarded = True  # type: ignore[attr-defined]
+        return guarded_step
+
+    def _on_nonfinite(self, trainer: Trainer) -> None:
+        step = trainer.global_step
+        folder = checkpoint_dir(trainer, self.dirpath)
+        good = find_resume_checkpoint(folder)
+        if good is not None and trainer.is_global_zero:
+            protect(good.parent, good.name)
+        if self.action == "raise":
+            raise NonFiniteError(f"NaNGuard: non-finite loss or gradient at step {step} (trainer.global_step).")
+        self.skipped_steps.append(step)
+        if self.action == "skip":
+            log.warning("NaNGuard: non-finite loss or gradient at step %d; optimizer step skipped on all ranks.", step)
+            return
+        if self.rollbacks >= self.max_rollbacks:
+            raise NonFiniteError(f"NaNGuard: non-finite step {step} after {self.rollbacks} rollbacks; giving up.")
+        if good is None:
+            raise NonFiniteError(
+                f"NaNGuard: non-finite step {step} and no complete checkpoint in {folder} to roll back to."
+            )
+        self.rollbacks += 1
+        log.warning(
+            "NaNGuard: non-finite step %d; rolling back to %s (%d/%d).", step, good, self.rollbacks, self.max_rollbacks
+        )
+        restore_in_place(trainer, Path(good))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters that survive a resume."""
+        return {"skipped_steps": list(self.skipped_steps), "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the counters."""
+        self.skipped_steps = list(state_dict.get("skipped_steps", []))
+        self.rollbacks = int(state_dict.get("rollbacks", 0))

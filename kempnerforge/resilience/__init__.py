@@ -1,0 +1,1 @@
+"""Resilience logic behind the callbacks: signal flags, cross-rank agreement, SLURM requeue, watchdog, auto-resume."""

@@ -1,0 +1,85 @@
+"""Signal handling that only sets a flag, and the cross-rank agreement on that flag.
+
+A handler that saves (a collective) while another rank is mid-backward deadlocks sharded checkpoints
+(Lightning's stock SLURM handler does that; see NOTES-platform.md). Here the handler records the
+signal number and returns; the training loop asks :func:`agree_any` at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """``"SIGTERM"``, ``"TERM"``, ``"SIGUSR1"`` or a number -> :class:`signal.Signals`.
+
+    Raises:
+        ValueError: an unknown signal name or number (names the value and the allowed form).
+    """
+    try:
+        if isinstance(name, int):
+            return signal.Signals(name)
+        key = name.upper()
+        return signal.Signals[key if key.startswith("SIG") else "SIG" + key]
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"signals: {name!r} is not a signal; use names like 'SIGTERM', 'SIGUSR1' or numbers."
+        ) from None
+
+
+class SignalFlag:
+    """Installs handlers for ``signals`` that only remember the first signal received.
+
+    Args:
+        signals: signal names or numbers to catch.
+
+    Attributes:
+        received: the signal number received, or None.
+    """
+
+    def __init__(self, signals: Iterable[str | int]) -> None:
+        self.signals = [parse_signal(s) for s in signals]
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, _frame: FrameType | None) -> None:
+        # Only a flag: no I/O, no collectives (they may deadlock against a rank inside a collective).
+        if self.received is None:
+            self.received = signum
+
+    def install(self) -> None:
+        """Replace the current handlers (keeping them for :meth:`restore`). Main thread only."""
+        for sig in self.signals:
+            self._previous.setdefault(int(sig), signal.getsignal(sig))
+            signal.signal(sig, self._handler)
+
+    def restore(self) -> None:
+        """Put back the handlers that were active before :meth:`install`."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+
+def agree_any(flag: bool | torch.Tensor, device: torch.device | str = "cpu", group: Any = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank (all-reduce MAX; a no-op without a process group).
+
+    Args:
+        flag: this rank's flag, a bool or a 0-d / 1-element tensor (bool, int or float).
+        device: device of the reduction tensor (CUDA for NCCL).
+        group: process group (None: the world).
+
+    Returns:
+        The agreed flag (one 4-byte host readback).
+    """
+    t = flag.detach().reshape(1).to(device=device, dtype=torch.int32) if isinstance(flag, torch.Tensor) else None
+    if t is None:
+        t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())

@@ -1,0 +1,94 @@
+"""Check 5: each resilience callback runs in a plain Lightning project (demo BoringModel, no KempnerStrategy)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from kempnerforge.callbacks import CheckpointRetention, NaNGuard, Preemption
+from kempnerforge.resilience.nonfinite import NonFiniteError
+
+
+def _trainer(tmp_path, *callbacks) -> Trainer:
+    return Trainer(
+        default_root_dir=tmp_path, fast_dev_run=True, accelerator="cpu", callbacks=list(callbacks), logger=False
+    )
+
+
+class _SignalAtFirstBatch(Callback):
+    def on_train_batch_start(self, *args) -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_preemption_saves_and_stops_in_plain_lightning(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    preemption = Preemption(signals=["SIGUSR1"])
+    trainer = _trainer(tmp_path, _SignalAtFirstBatch(), preemption)
+    trainer.fit(BoringModel())
+    assert trainer.should_stop
+    assert preemption.saved_path == tmp_path / "checkpoints" / "epoch=0-step=1.ckpt"  # ModelCheckpoint naming
+    ckpt = torch.load(preemption.saved_path, weights_only=False)
+    assert ckpt["global_step"] == 1
+    assert signal.getsignal(signal.SIGUSR1) == before  # handlers restored at teardown
+
+
+class _NaNModel(BoringModel):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        return {"loss": out["loss"] * float("nan")}
+
+
+def test_nan_guard_raise_names_the_step(tmp_path):
+    with pytest.raises(NonFiniteError, match="at step 0"):
+        _trainer(tmp_path, NaNGuard(action="raise")).fit(_NaNModel())
+
+
+def test_nan_guard_skip_leaves_weights_untouched(tmp_path):
+    model = _NaNModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    guard = NaNGuard(action="skip", check_grads=True)
+    _trainer(tmp_path, guard).fit(model)
+    assert guard.skipped_steps == [0]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_nan_guard_rejects_unknown_action():
+    with pytest.raises(ValueError, match=r"action='retry' is not allowed; use one of \['raise', 'skip', 'rollback'\]"):
+        NaNGuard(action="retry")
+
+
+def test_checkpoint_retention_prunes_plain_ckpt_files(tmp_path):
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    for step in range(4):
+        path = folder / f"step={step}.ckpt"
+        path.write_bytes(b"x")
+        os.utime(path, (step, step))
+    _trainer(tmp_path, CheckpointRetention(keep_last=2, dirpath=str(folder))).fit(BoringModel())
+    assert sorted(p.name for p in folder.iterdir()) == ["step=2.ckpt", "step=3.ckpt"]
+    with pytest.raises(ValueError, match="keep_last=0 must be an integer >= 1"):
+        CheckpointRetention(keep_last=0)
+
+
+def test_preemption_waits_for_the_optimizer_step_with_gradient_accumulation(tmp_path):
+    preemption = Preemption(signals=["SIGUSR1"])
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=3,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        callbacks=[_SignalAtFirstBatch(), preemption],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(BoringModel())
+    assert trainer.global_step == 1  # signalled at micro-batch 0, saved after micro-batch 1 (the step)
+    assert preemption.saved_path == tmp_path / "checkpoints" / "step=000001.ckpt"
+    assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == 1
