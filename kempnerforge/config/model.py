@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kempnerforge.metrics.flops import transformer_flops_per_token
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -152,4 +154,4 @@ class ModelConfig:
         n_matmul = self.num_params(exclude_embedding=True)
         if self.tie_embeddings:
             n_matmul += self.vocab_size * self.dim
-        return 6 * n_matmul + 12 * self.n_layers * self.dim * seq_len
+        return transformer_flops_per_token(n_matmul, self.n_layers, self.dim, seq_len)
