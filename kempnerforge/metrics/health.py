@@ -44,7 +44,8 @@ def check_device(device: torch.device, matmul_n: int = 256, memory_mb: int = 64)
             bad = int((got != expected).sum())
             return DeviceHealth(False, f"matmul mismatch in {bad} of {matmul_n * matmul_n} entries on {device}")
         n_bytes = memory_mb * 1024 * 1024
-        buf = (torch.arange(n_bytes, device=device, dtype=torch.int64) % 251).to(torch.uint8)
+        base = torch.arange(251, device=device, dtype=torch.uint8)
+        buf = base.repeat(-(-n_bytes // 251))[:n_bytes]  # byte i holds i % 251: writes every byte once
         total = int(buf.sum(dtype=torch.int64).item())
         full, rest = divmod(n_bytes, 251)
         want = full * (250 * 251 // 2) + rest * (rest - 1) // 2
