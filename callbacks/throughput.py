@@ -38,7 +38,8 @@ class MFUMonitor(Callback):
     (a bf16 peak would overstate it); it is then logged as ``train/mfu_fp8``.
 
     Args:
-        window: steps per measurement; None uses ``trainer.log_every_n_steps`` (1 under ``fast_dev_run``).
+        window: training batches per measurement (micro-batches under gradient accumulation); None uses
+            ``trainer.log_every_n_steps`` (1 under ``fast_dev_run``).
         flops_per_token: training FLOPs per token (forward + backward), FLOP/token.
         peak_flops: peak FLOP/s of one device (overrides the table / CPU measurement).
         sync_cuda: synchronize CUDA once per window so the window's time includes its queued kernels.
