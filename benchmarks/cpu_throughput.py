@@ -108,6 +108,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from kempnerforge.config import ModelConfig  # noqa: E402
+from kempnerforge.metrics.peak import matmul_peak  # noqa: E402
 from kempnerforge.model import Transformer  # noqa: E402
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory  # noqa: E402
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler  # noqa: E402
@@ -159,23 +160,6 @@ def machine_info() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - not installed
         info["litgpt"] = None
     return info
-
-
-def matmul_peak(n: int, reps: int = 5, rounds: int = 3) -> float:
-    """Best fp32 FLOP/s of an ``n x n @ n x n`` matmul over ``rounds`` x ``reps`` timed products."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g)
-    b = torch.randn(n, n, generator=g)
-    out = torch.empty(n, n)
-    for _ in range(2):  # warm the allocator and the BLAS thread pool
-        torch.mm(a, b, out=out)
-    best = float("inf")
-    for _ in range(rounds):
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.mm(a, b, out=out)
-            best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
 
 
 # -- data and weights ---------------------------------------------------------------------------

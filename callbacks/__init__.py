@@ -1,7 +1,21 @@
-"""Lightning callbacks, one concern each, usable in any Lightning project."""
+"""Lightning callbacks, one concern each, usable in any Lightning project (installed as kempnerforge.callbacks)."""
 
+from kempnerforge.callbacks.activation_capture import ActivationCapture
 from kempnerforge.callbacks.checkpoint_retention import CheckpointRetention
+from kempnerforge.callbacks.health import HealthCheck
+from kempnerforge.callbacks.memory import MemoryMonitor
 from kempnerforge.callbacks.nan_guard import NaNGuard
 from kempnerforge.callbacks.preemption import Preemption
+from kempnerforge.callbacks.profiler import StepProfiler
+from kempnerforge.callbacks.throughput import MFUMonitor
 
-__all__ = ["CheckpointRetention", "NaNGuard", "Preemption"]
+__all__ = [
+    "ActivationCapture",
+    "CheckpointRetention",
+    "HealthCheck",
+    "MFUMonitor",
+    "MemoryMonitor",
+    "NaNGuard",
+    "Preemption",
+    "StepProfiler",
+]

@@ -8,11 +8,13 @@ text into shards. Under ``srun`` Lightning detects ``SLURMEnvironment`` itself.
 from __future__ import annotations
 
 import sys
+import uuid
+from pathlib import Path
 from typing import Any
 
 import jsonargparse
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from kempnerforge.callbacks import Preemption
 from kempnerforge.data.datamodule import TokenDataModule
@@ -24,12 +26,46 @@ TOOLS = ("prepare-data",)
 #: ``--ckpt_path`` value (the default) that resumes from the newest complete checkpoint, if any.
 AUTO = "auto"
 
+#: File in a WandbLogger's ``save_dir`` holding the run id that a resumed run continues.
+WANDB_RUN_ID_FILE = "wandb_run_id"
+
+
+def keep_wandb_run_id(trainer: Any, ckpt_path: str | None) -> None:
+    """Give every ``WandbLogger`` without an explicit ``id`` a run id that survives resume.
+
+    A fresh run (no ``ckpt_path``) gets a new id, written by rank 0 to
+    ``<save_dir>/wandb_run_id``; a resumed run (``ckpt_path`` set) reads that file and continues the
+    same W&B run (``resume="allow"``), online or offline. Runs before the logger's experiment exists
+    (W&B is initialized lazily, in the trainer's setup), so no empty run is created.
+    """
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+    except ImportError:  # pragma: no cover - lightning always ships the class; wandb itself is optional
+        return
+    for logger in trainer.loggers:
+        if not isinstance(logger, WandbLogger) or logger._id is not None or logger._experiment is not None:
+            continue
+        id_file = Path(logger.save_dir or ".") / WANDB_RUN_ID_FILE
+        if ckpt_path is not None and id_file.is_file():
+            run_id = id_file.read_text().strip()
+            rank_zero_info(f"Resuming W&B run {run_id} (from {id_file})")
+        else:
+            run_id = uuid.uuid4().hex[:8]  # W&B ids: up to 64 characters of [a-z0-9_-]
+            rank_zero_only(_write_id)(id_file, run_id)
+        logger._id = run_id
+        logger._wandb_init.update(id=run_id, resume="allow")
+
+
+def _write_id(path: Path, run_id: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+
 
 class KForgeCLI(LightningCLI):
     """LightningCLI with kempnerforge's defaults and argument links.
 
     Links ``model.config.vocab_size`` into ``data.vocab_size`` so the data is checked against the
-    model's vocabulary before anything is allocated.
+    model's vocabulary before anything is allocated; a W&B logger keeps its run id across resumes.
 
     Auto-resume: ``--ckpt_path`` defaults to ``auto``, which resumes from the newest complete
     checkpoint in the checkpoint folder (a ``Preemption`` callback's ``dirpath``, else the
@@ -49,8 +85,11 @@ class KForgeCLI(LightningCLI):
         return parser
 
     def before_fit(self) -> None:
-        """Resolve ``--ckpt_path auto`` (the ``fit`` default) before ``Trainer.fit`` runs."""
-        resolve_auto_ckpt_path(self.config_init[self.subcommand], self.trainer)
+        """Resolve ``--ckpt_path auto`` (the ``fit`` default), then keep the W&B run id of the run being
+        resumed (:func:`keep_wandb_run_id`), before ``Trainer.fit`` runs."""
+        config = self.config_init[self.subcommand]
+        resolve_auto_ckpt_path(config, self.trainer)
+        keep_wandb_run_id(self.trainer, config.get("ckpt_path"))
 
 
 def resolve_auto_ckpt_path(config: Any, trainer: Any) -> None:

@@ -7,7 +7,6 @@ any stock Lightning strategy (single device, DDP), where ``configure_model`` ini
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -94,7 +93,6 @@ class CausalLM(LightningModule):
         self.val_loss = MeanMetric()
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
         self.tokens_seen = 0
-        self._step_start: float | None = None
         # Normalization by the global target-token count of the whole optimizer step (dp ranks x
         # accumulated micro-batches); see StepTokenNormalizer.
         self._step_tokens = StepTokenNormalizer()
@@ -169,7 +167,8 @@ class CausalLM(LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch: summed token cross-entropy (normalized per optimizer step in
-        :meth:`on_before_optimizer_step`); logs lr, tokens seen, tokens/s."""
+        :meth:`on_before_optimizer_step`); logs lr and tokens seen (tokens/s and MFU: the
+        :class:`~kempnerforge.callbacks.MFUMonitor` callback)."""
         if self.loss_chunk_size:
             labels = batch["labels"]
             loss_sum = self.model(batch["input_ids"], labels=labels, loss_chunk_size=self.loss_chunk_size)
@@ -192,7 +191,6 @@ class CausalLM(LightningModule):
         self.tokens_seen += tokens
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
         self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
-        self._log_throughput(tokens)
         return loss
 
     def _add_moe_aux_loss(self, loss: torch.Tensor, n_targets: torch.Tensor, new_step: bool) -> torch.Tensor:
@@ -212,15 +210,13 @@ class CausalLM(LightningModule):
         group = self._dp_group()
         return dist.get_world_size(group) if group is not None else 1
 
-    def _log_throughput(self, tokens: int) -> None:
-        now = time.perf_counter()
-        if self._step_start is not None:
-            self.log("train/tokens_per_s", tokens / (now - self._step_start), prog_bar=True, rank_zero_only=True)
-        self._step_start = now
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token of the trained model at ``seq_len`` (what MFU counts), FLOP/token.
 
-    def on_train_epoch_start(self) -> None:
-        """Reset the throughput clock so data-loader start-up is not counted as step time."""
-        self._step_start = None
+        The decoder's :meth:`ModelConfig.flops_per_token`; a module with more trained parts (a VLM's
+        encoder and connector) adds their terms (:func:`kempnerforge.metrics.flops.sum_flops_per_token`).
+        """
+        return self.config.flops_per_token(seq_len)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()``, under ``loss_parallel()`` when the step's logits were vocab-sharded.

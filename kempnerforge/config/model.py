@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kempnerforge.config.moe import moe_layer_params, validate_moe
+from kempnerforge.metrics.flops import transformer_flops_per_token
 
 
 def _divisors(n: int) -> list[int]:
@@ -212,4 +213,4 @@ class ModelConfig:
         n_matmul = self.num_active_params(exclude_embedding=True)
         if self.tie_embeddings:
             n_matmul += self.vocab_size * self.dim
-        return 6 * n_matmul + 12 * self.n_layers * self.dim * seq_len
+        return transformer_flops_per_token(n_matmul, self.n_layers, self.dim, seq_len)
