@@ -148,3 +148,18 @@ def test_peaks():
         device_peak_flops(torch.device("cpu"), override=-1)
     peak = matmul_peak(256, reps=2, rounds=1)
     assert 1e8 < peak < 1e13  # a CPU does between 0.1 GFLOP/s and 10 TFLOP/s
+
+
+def test_config_active_params_equal_the_generic_moe_formula():
+    # ModelConfig counts MoE layers itself; metrics.flops.moe_active_params is the formula for models
+    # without a ModelConfig: both must give the same number for every MoE layout.
+    from kempnerforge.metrics.flops import moe_active_params
+
+    for kw in ({}, {"moe_frequency": 2}, {"n_shared_experts": 2, "top_k": 1}, {"expert_width_multiplier": 0.5}):
+        cfg = ModelConfig(
+            dim=32, n_layers=4, n_heads=4, vocab_size=97, max_seq_len=16, multiple_of=16, num_experts=8, **kw
+        )
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+        per_expert = 3 * cfg.dim * cfg.expert_hidden
+        expected = moe_active_params(cfg.num_params(), n_moe, cfg.num_experts, cfg.top_k, per_expert)
+        assert cfg.num_active_params() == expected, kw
