@@ -32,7 +32,7 @@ def write_config(
         },
     )
     cfg["trainer"]["strategy"]["init_args"]["async_checkpoint"] = async_save
-    ckpt = cfg["trainer"]["callbacks"][0]["init_args"]
+    ckpt = next(c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))["init_args"]
     ckpt.update(dirpath=str(tmp / "ckpt"), every_n_train_steps=4)
     cfg["trainer"]["callbacks"] += extra_callbacks or [{"class_path": "kempnerforge.callbacks.Preemption"}]
     cfg["model"]["config"].update(dim=64, n_layers=2, max_seq_len=64, multiple_of=32)
