@@ -39,6 +39,27 @@ _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_IGNORED = re.compile(r"^model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq$")
 
 
+def decoder_hf_kwargs(cfg: ModelConfig) -> dict:
+    """The ``transformers`` config fields every Llama-family decoder shares (Llama, Mixtral), from ``cfg``.
+
+    The feed-forward width is left to the caller (dense ``intermediate_size`` vs expert width).
+    """
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads_resolved,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+    }
+
+
 def to_hf_config(cfg: ModelConfig):
     """The ``transformers.LlamaConfig`` describing the same network as ``cfg``.
 
@@ -53,19 +74,8 @@ def to_hf_config(cfg: ModelConfig):
     if cfg.qk_norm:
         raise ValueError("ModelConfig.qk_norm=True has no HF LlamaForCausalLM equivalent; allowed: False")
     return LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.dim,
+        **decoder_hf_kwargs(cfg),
         intermediate_size=cfg.ffn_hidden,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads_resolved,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_std,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
         attention_bias=False,
         mlp_bias=False,
     )

@@ -59,21 +59,9 @@ def to_hf_config(cfg: ModelConfig):
     from transformers import MixtralConfig  # local import: transformers is slow to import
 
     check_mixtral_compatible(cfg)
-    llama = hf_llama.to_hf_config(cfg)
     return MixtralConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.dim,
+        **hf_llama.decoder_hf_kwargs(cfg),
         intermediate_size=cfg.expert_hidden,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads_resolved,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_std,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters=llama.rope_parameters,
         sliding_window=None,
         num_local_experts=cfg.num_experts,
         num_experts_per_tok=cfg.top_k,
