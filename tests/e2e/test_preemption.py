@@ -10,6 +10,7 @@ import socket
 import pytest
 
 from tests.e2e.preempt_helpers import MAX_STEPS, children, log_text, losses, start, wait_for, write_config
+from tests.slurm_env import slurm_task_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -101,22 +102,8 @@ def test_slurm_two_tasks_preempted_requeue_once_and_match_reference(tmp_path, sh
         shakespeare_tokens,
         [{"class_path": "kempnerforge.callbacks.Preemption", "init_args": {"requeue": True}}],
     )
-    slurm = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "kf-test",
-        "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_NNODES": "1",
-        "SLURM_NODEID": "0",
-        "SLURM_NODELIST": "127.0.0.1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-    }
-    procs = [
-        start(cfg, {**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)}, log=tmp_path / f"task{r}.log")
-        for r in range(2)
-    ]
+    common = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [start(cfg, {**common, **slurm_task_env(rank=r)}, log=tmp_path / f"task{r}.log") for r in range(2)]
     wait_for(lambda: len(losses(tmp_path)) >= 3, procs[0])
     for proc in procs:
         os.kill(proc.pid, signal.SIGTERM)

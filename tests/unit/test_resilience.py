@@ -18,6 +18,7 @@ from kempnerforge.resilience.auto_resume import find_resume_checkpoint
 from kempnerforge.resilience.requeue import requeue_slurm_job, slurm_job_id
 from kempnerforge.resilience.signals import SignalFlag, agree_any, parse_signal
 from kempnerforge.resilience.watchdog import Watchdog
+from tests.slurm_env import slurm_task_env
 
 
 def _ckpt(folder, step, complete=True):
@@ -101,17 +102,7 @@ def test_retention_keeps_last_n_latest_and_protected(tmp_path):
 
 
 def test_lightning_picks_slurm_environment_with_right_ranks(monkeypatch):
-    env = {
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "kf-test",
-        "SLURM_NTASKS": "2",
-        "SLURM_NTASKS_PER_NODE": "2",
-        "SLURM_NNODES": "1",
-        "SLURM_NODEID": "0",
-        "SLURM_PROCID": "1",
-        "SLURM_LOCALID": "1",
-        "SLURM_NODELIST": "127.0.0.1",
-    }
+    env = slurm_task_env(rank=1)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False)
