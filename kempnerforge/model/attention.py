@@ -26,7 +26,8 @@ class Attention(nn.Module):
     ``wo`` (n_heads*head_dim -> dim), and with ``config.qk_norm`` ``q_norm``/``k_norm``: RMSNorm over
     head_dim applied per head before RoPE (as in Qwen3 / OLMo-style QK-norm).
 
-    Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim)) -> (batch, seq, dim).
+    Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim),
+    key_mask (batch, seq) bool or None) -> (batch, seq, dim).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -44,8 +45,14 @@ class Attention(nn.Module):
             self.q_norm = None
             self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention over ``x`` (batch, seq, dim) at positions 0..seq-1."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal self-attention over ``x`` (batch, seq, dim) at positions 0..seq-1.
+
+        ``key_mask`` (batch, seq) bool, True at real positions, hides padded keys from every query
+        (:func:`causal_key_mask`); None is plain causal attention (the fast ``is_causal`` kernel).
+        """
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
@@ -55,5 +62,29 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA wants (batch, heads, seq, head_dim); enable_gqa broadcasts KV heads without a copy.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if key_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_key_mask(key_mask), enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+def causal_key_mask(key_mask: torch.Tensor) -> torch.Tensor:
+    """Boolean SDPA mask (batch, 1, seq, seq): query i sees key j when j <= i and ``key_mask[:, j]``.
+
+    Every query also sees itself, so a padded query whose earlier keys are all padding gets a finite
+    (meaningless) output instead of a softmax over nothing (NaN that would leak into gradients).
+
+    Args:
+        key_mask: (batch, seq) bool, True at real tokens, False at padding.
+
+    Raises:
+        ValueError: ``key_mask`` is not a 2-D bool tensor.
+    """
+    if key_mask.dtype != torch.bool or key_mask.dim() != 2:
+        raise ValueError(f"key_mask must be a (batch, seq) bool tensor, got {key_mask.dtype} {tuple(key_mask.shape)}")
+    seq = key_mask.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=key_mask.device).tril()
+    eye = torch.eye(seq, dtype=torch.bool, device=key_mask.device)
+    return ((causal & key_mask[:, None, :]) | eye)[:, None]

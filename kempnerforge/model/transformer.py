@@ -36,7 +36,8 @@ class TransformerBlock(nn.Module):
     the :class:`~kempnerforge.model.moe.MoE` module ``moe``; the two names never coexist, so FQNs of
     a dense model are unchanged by the MoE fields.
 
-    Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim)) -> (batch, seq, dim).
+    Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim), key_mask (batch, seq)
+    bool or None) -> (batch, seq, dim); see :meth:`Attention.forward` for ``key_mask``.
     """
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
@@ -49,9 +50,11 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Apply the block to ``x`` (batch, seq, dim)."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        h = x + self.attention(self.attention_norm(x), cos, sin, key_mask)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 

@@ -231,3 +231,25 @@ def test_flops_per_token_convention():
     assert cfg.flops_per_token(32) == 6 * n_matmul + 12 * 2 * 64 * 32
     # The head matmul runs whether or not it is tied, so FLOPs do not depend on tying.
     assert _cfg(tie_embeddings=True).flops_per_token(32) == cfg.flops_per_token(32)
+
+
+def test_key_mask_hides_padded_keys_and_equals_causal_when_all_real():
+    """Attention with a key mask: real queries ignore padded keys' values; an all-True mask is plain causal."""
+    from kempnerforge.model.attention import Attention, causal_key_mask
+    from kempnerforge.model.rope import rope_tables
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
+    attn = Attention(cfg)
+    cos, sin = rope_tables(cfg.head_dim, 8, cfg.rope_theta)
+    x = torch.randn(2, 8, 32)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    torch.testing.assert_close(attn(x, cos, sin, mask), attn(x, cos, sin), rtol=1e-6, atol=1e-6)
+    mask[0, 2:4] = False  # padding in the middle (padded video frames)
+    y = x.clone()
+    y[0, 2:4] = 100.0
+    a, b = attn(x, cos, sin, mask), attn(y, cos, sin, mask)
+    real = mask[0]
+    torch.testing.assert_close(a[0, real], b[0, real], rtol=0, atol=0)
+    assert not torch.allclose(attn(x, cos, sin)[0, 4:], attn(y, cos, sin)[0, 4:])  # unmasked control changes
+    assert causal_key_mask(torch.zeros(1, 3, dtype=torch.bool)).squeeze().equal(torch.eye(3, dtype=torch.bool))

@@ -1,0 +1,144 @@
+"""The contract every vision-language architecture implements, and its registry.
+
+A VLM is ``encoder -> connector -> backbone``. The encoder and connector turn pixels into visual
+tokens already ``dim`` wide (the text width); the backbone (one class per ``VLMConfig.arch``) owns
+the token embedding, its blocks, the final norm and the output head, and decides where the visual
+tokens go. The strategy treats a backbone like the dense :class:`~kempnerforge.model.Transformer`:
+``layers`` are its blocks (TP plan per block, activation checkpointing, FSDP2 units), and
+``init_weights(seed)`` is its only init.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.vlm import IMAGE, TEXT, VLM_ARCHS, VLMConfig
+from kempnerforge.model.tp_plan import TPPlan
+
+#: arch name -> backbone class; filled by :func:`register_arch`.
+ARCHS: dict[str, type[VLMBackbone]] = {}
+
+
+class VLMBackbone(nn.Module, abc.ABC):
+    """Base class of the text backbones that take visual tokens.
+
+    Subclasses set ``layers`` (``nn.ModuleDict`` of blocks, the units of AC / FSDP2 / TP) and
+    implement every method below. Built on the meta device like the dense decoder: the constructor
+    does not produce meaningful weights, :meth:`init_weights` does.
+
+    Shapes of :meth:`forward`:
+        input_ids (batch, text) int64; visual (batch, n_visual, dim) or None (a text-only batch);
+        text_mask (batch, text) bool, True at real tokens (right padding), or None (no padding);
+        visual_mask (batch, n_visual) bool, True at real visual tokens (padded video frames are
+        False), or None. Returns logits (batch, text, vocab_size): ``logits[:, t]`` predicts the
+        text token after ``input_ids[:, t]``. Outputs at real text positions never depend on
+        padded positions (text or visual).
+    """
+
+    layers: nn.ModuleDict
+
+    def __init__(self, text: ModelConfig, vlm: VLMConfig) -> None:
+        super().__init__()
+        self.config = text
+        self.vlm_config = vlm
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        visual: torch.Tensor | None,
+        text_mask: torch.Tensor | None = None,
+        visual_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Text logits (batch, text, vocab_size) given text ids and visual tokens (shapes above)."""
+
+    @abc.abstractmethod
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize every parameter and buffer in place (sharding-invariant, per-FQN seeds)."""
+
+    @abc.abstractmethod
+    def tie_weights(self) -> None:
+        """Re-tie the output head to the embedding after ``to_empty`` (no-op when untied)."""
+
+    @abc.abstractmethod
+    def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> TPPlan:
+        """The tensor-parallel plan over ``layers`` and the root (see :mod:`kempnerforge.model.tp_plan`)."""
+
+    @abc.abstractmethod
+    def load_text_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Warm start: copy a dense :class:`~kempnerforge.model.Transformer` state dict (its FQNs)
+        into this backbone (MoT: into every modality's weights). Raises ``KeyError`` naming missing keys."""
+
+    @abc.abstractmethod
+    def sequence_length(self, n_visual: int, n_text: int) -> int:
+        """Positions the backbone's self-attention sees for one sample (checked against max_seq_len)."""
+
+
+def register_arch(name: str) -> Callable[[type[VLMBackbone]], type[VLMBackbone]]:
+    """Class decorator: make ``VLMConfig(arch=name)`` build this backbone.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`~kempnerforge.config.vlm.VLM_ARCHS` or already registered.
+    """
+
+    def wrap(cls: type[VLMBackbone]) -> type[VLMBackbone]:
+        if name not in VLM_ARCHS:
+            raise ValueError(f"arch {name!r} is not in VLM_ARCHS {list(VLM_ARCHS)}; add it there first.")
+        if name in ARCHS and ARCHS[name] is not cls:
+            raise ValueError(f"arch {name!r} is already registered by {ARCHS[name].__name__}.")
+        ARCHS[name] = cls
+        return cls
+
+    return wrap
+
+
+def build_backbone(text: ModelConfig, vlm: VLMConfig) -> VLMBackbone:
+    """The registered backbone for ``vlm.arch`` (construct under ``torch.device('meta')`` to defer allocation).
+
+    Raises:
+        ValueError: no class registered for ``vlm.arch``.
+    """
+    if vlm.arch not in ARCHS:
+        raise ValueError(f"vlm.arch={vlm.arch!r} has no registered backbone; registered: {sorted(ARCHS)}.")
+    return ARCHS[vlm.arch](text, vlm)
+
+
+def prefix_sequence(
+    visual: torch.Tensor | None,
+    text: torch.Tensor,
+    visual_mask: torch.Tensor | None = None,
+    text_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Join visual tokens before the text, as joint-sequence archs (joint decoder, MoT, MoMa) see them.
+
+    Args:
+        visual: (batch, n_visual, dim) or None.
+        text: (batch, n_text, dim) text embeddings.
+        visual_mask: (batch, n_visual) bool or None (all real).
+        text_mask: (batch, n_text) bool or None (all real).
+
+    Returns:
+        ``(h, key_mask, modality)``: h (batch, n_visual + n_text, dim); key_mask (batch, n_visual +
+        n_text) bool, or None when nothing is padded (plain causal attention); modality (batch,
+        n_visual + n_text) int64 with :data:`~kempnerforge.config.vlm.IMAGE` then
+        :data:`~kempnerforge.config.vlm.TEXT`.
+    """
+    bsz, n_text = text.shape[:2]
+    n_vis = 0 if visual is None else visual.shape[1]
+    h = text if visual is None else torch.cat([visual.to(text.dtype), text], dim=1)
+    modality = torch.full((bsz, n_vis + n_text), TEXT, dtype=torch.long, device=text.device)
+    modality[:, :n_vis] = IMAGE
+    if visual_mask is None and text_mask is None:
+        return h, None, modality
+    ones = torch.ones(bsz, n_vis + n_text, dtype=torch.bool, device=text.device)
+    key_mask = ones
+    if visual_mask is not None and n_vis:
+        key_mask[:, :n_vis] = visual_mask
+    if text_mask is not None:
+        key_mask[:, n_vis:] = text_mask
+    return h, key_mask, modality
