@@ -112,7 +112,7 @@ from kempnerforge.metrics.peak import matmul_peak  # noqa: E402
 from kempnerforge.model import Transformer  # noqa: E402
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory  # noqa: E402
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler  # noqa: E402
-from kempnerforge.training.optim import OptimizerConfig, build_adamw  # noqa: E402
+from kempnerforge.training.optimizers import OptimizerConfig, build_adamw  # noqa: E402
 
 Batch = dict[str, torch.Tensor]
 

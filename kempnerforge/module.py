@@ -29,10 +29,16 @@ from kempnerforge.training.loss import (
     StepTokenNormalizer,
     loss_parallel_context,
     token_cross_entropy_sum,
+    z_loss_sum,
 )
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler
 from kempnerforge.training.moe_balance import MoEStepTracker
-from kempnerforge.training.optim import OptimizerConfig, build_adamw
+from kempnerforge.training.optimizers import (
+    OptimizerConfig,
+    build_optimizer,
+    check_optimizer_schedule,
+    set_schedule_free_mode,
+)
 
 
 class CausalLM(LightningModule):
@@ -52,9 +58,13 @@ class CausalLM(LightningModule):
             fuses the output head and cross-entropy over chunks of N tokens so the full fp32 logits
             never exist (:mod:`kempnerforge.training.chunked_ce`; same value and gradient). Not with
             ``tp > 1`` (loss parallel already keeps each rank's logits vocab-sharded).
+        z_loss_weight: weight of the z-loss ``logsumexp(logits)^2`` per target token (PaLM,
+            arXiv:2204.02311 sec. 5; PaLM used 1e-4), on the same global-token normalization as the
+            cross-entropy; logged as ``train/z_loss`` (mean per token). 0 disables it.
 
     Raises:
-        ValueError: ``grad_clip`` < 0 or ``loss_chunk_size`` < 0 (configs validate their own fields).
+        ValueError: ``grad_clip``, ``loss_chunk_size`` or ``z_loss_weight`` < 0 (configs validate their own fields);
+            ``schedule_free_adamw`` with a decaying LR schedule.
         MeshConfigError: ``loss_chunk_size > 0`` with ``tp > 1`` (in :meth:`validate_parallel`).
     """
 
@@ -66,12 +76,17 @@ class CausalLM(LightningModule):
         grad_clip: float = 1.0,
         init_seed: int = 0,
         loss_chunk_size: int = 0,
+        z_loss_weight: float = 0.0,
     ) -> None:
         super().__init__()
         if grad_clip < 0:
             raise ValueError(f"grad_clip={grad_clip} must be >= 0 (0 disables clipping).")
+        if z_loss_weight < 0:
+            raise ValueError(f"z_loss_weight={z_loss_weight} must be >= 0 (PaLM uses 1e-4; 0 disables it).")
+        self.z_loss_weight = z_loss_weight
         if loss_chunk_size < 0:
             raise ValueError(f"loss_chunk_size={loss_chunk_size} must be >= 0 (0: full logits, N: chunks of N tokens).")
+        check_optimizer_schedule(optimizer, scheduler)
         self.loss_chunk_size = loss_chunk_size
         self.config = config
         self.optimizer_config = optimizer
@@ -87,6 +102,7 @@ class CausalLM(LightningModule):
                 "grad_clip": grad_clip,
                 "init_seed": init_seed,
                 "loss_chunk_size": loss_chunk_size,
+                "z_loss_weight": z_loss_weight,
             }
         )
         self.model: Transformer | None = None
@@ -169,23 +185,37 @@ class CausalLM(LightningModule):
         """One micro-batch: summed token cross-entropy (normalized per optimizer step in
         :meth:`on_before_optimizer_step`); logs lr and tokens seen (tokens/s and MFU: the
         :class:`~kempnerforge.callbacks.MFUMonitor` callback)."""
+        labels, w = batch["labels"], self.z_loss_weight
         if self.loss_chunk_size:
-            labels = batch["labels"]
-            loss_sum = self.model(batch["input_ids"], labels=labels, loss_chunk_size=self.loss_chunk_size)
-            return self._record_step(batch, batch_idx, loss_sum, (labels != IGNORE_INDEX).sum())
+            total, z_sum = self.model(
+                batch["input_ids"], labels=labels, loss_chunk_size=self.loss_chunk_size, z_loss_weight=w
+            )
+            # z_sum is a constant here: total - w * z_sum has the CE value and total's gradient.
+            return self._record_step(batch, batch_idx, total - w * z_sum, (labels != IGNORE_INDEX).sum(), z_sum)
         logits = self.model(batch["input_ids"])
         # Vocab-sharded logits (TP with loss parallel): the backward must also run under loss_parallel().
         self._loss_parallel_backward = isinstance(logits, DTensor)
         # Un-normalized: on_before_optimizer_step divides the step's gradients by its global target-token
         # count (all micro-batches, all dp ranks) and logs train/loss.
-        loss_sum, n_targets = token_cross_entropy_sum(logits, batch["labels"])
-        return self._record_step(batch, batch_idx, loss_sum, n_targets)
+        loss_sum, n_targets = token_cross_entropy_sum(logits, labels)
+        z_sum = z_loss_sum(logits, labels) if w else None
+        return self._record_step(batch, batch_idx, loss_sum, n_targets, z_sum)
 
     def _record_step(
-        self, batch: dict[str, torch.Tensor], batch_idx: int, loss_sum: torch.Tensor, n_targets: torch.Tensor
+        self,
+        batch: dict[str, torch.Tensor],
+        batch_idx: int,
+        loss_sum: torch.Tensor,
+        n_targets: torch.Tensor,
+        z_sum: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Register one micro-batch's CE sum (``train/loss`` logs it) and return what to backpropagate:
+        CE plus the weighted z-loss and MoE aux losses, all on the same global-token normalization."""
         new_step = batch_idx % self.trainer.accumulate_grad_batches == 0
         loss = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step)
+        if self.z_loss_weight and z_sum is not None:
+            loss = loss + self.z_loss_weight * z_sum * self._dp_size()
+            self.log("train/z_loss", z_sum.detach() / n_targets.clamp(min=1), rank_zero_only=True)
         loss = self._add_moe_aux_loss(loss, n_targets, new_step)
         tokens = batch["input_ids"].numel() * self._dp_size()
         self.tokens_seen += tokens
@@ -244,8 +274,9 @@ class CausalLM(LightningModule):
     # -- optimization ---------------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW (no decay on norms, biases, embeddings) with a per-step warmup + decay schedule."""
-        optimizer = build_adamw(self.model, self.optimizer_config)
+        """The configured optimizer (:func:`~kempnerforge.training.optimizers.build_optimizer`; no decay
+        on norms, biases, embeddings; frozen parameters left out) with a per-step warmup + decay schedule."""
+        optimizer = build_optimizer(self.model, self.optimizer_config)
         total = self.scheduler_config.total_steps or self.trainer.max_steps
         if total is None or total < 1:
             total = max(1, self.trainer.estimated_stepping_batches)
@@ -271,6 +302,16 @@ class CausalLM(LightningModule):
         if self.config.num_experts > 0 and (self.trainer.global_step + 1) % every == 0:
             for name, value in self._moe.metrics(self.model).items():
                 self.log(name, value, rank_zero_only=True)
+
+    def on_validation_epoch_start(self) -> None:
+        """Schedule-Free: evaluate the averaged weights ``x`` (no-op for other optimizers)."""
+        if self._trainer is not None and self.trainer.optimizers:
+            set_schedule_free_mode(self.trainer.optimizers[0], train=False)
+
+    def on_validation_epoch_end(self) -> None:
+        """Schedule-Free: back to the training point ``y`` before checkpoints and the next step."""
+        if self._trainer is not None and self.trainer.optimizers:
+            set_schedule_free_mode(self.trainer.optimizers[0], train=True)
 
     # -- checkpoint extras ----------------------------------------------------------------------
 

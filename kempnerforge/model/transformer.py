@@ -98,12 +98,17 @@ class Transformer(nn.Module):
         return dense_decoder_tp_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_chunk_size: int = 0
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_chunk_size: int = 0,
+        z_loss_weight: float = 0.0,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab_size) for ``tokens`` (batch, seq) at positions 0..seq-1.
 
-        With ``labels`` (batch, seq) and ``loss_chunk_size > 0`` it returns instead the summed token
-        cross-entropy (fp32 scalar, nats; ``-100`` labels ignored) from the head fused with the loss
+        With ``labels`` (batch, seq) and ``loss_chunk_size > 0`` it returns instead ``(loss_sum, z_sum)``:
+        the summed token cross-entropy plus ``z_loss_weight * z_sum`` (fp32 scalar, nats; ``-100``
+        labels ignored) and the summed squared log-normalizers, from the head fused with the loss
         over chunks of ``loss_chunk_size`` tokens
         (:func:`kempnerforge.training.chunked_ce.chunked_linear_cross_entropy_sum`). That runs inside
         ``forward`` so FSDP2 still holds the all-gathered head weight.
@@ -123,7 +128,9 @@ class Transformer(nn.Module):
             return self.output(self.norm(h))
         if loss_chunk_size < 1:
             raise ValueError(f"Transformer.forward with labels needs loss_chunk_size >= 1, got {loss_chunk_size}.")
-        return chunked_linear_cross_entropy_sum(self.norm(h), self.output.weight, labels, loss_chunk_size)
+        return chunked_linear_cross_entropy_sum(
+            self.norm(h), self.output.weight, labels, loss_chunk_size, z_loss_weight
+        )
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

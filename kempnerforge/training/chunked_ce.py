@@ -17,9 +17,12 @@ from kempnerforge.training.loss import IGNORE_INDEX
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, z_weight: float
+    ):
         need_grad = torch.is_grad_enabled() or hidden.requires_grad or weight.requires_grad
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_grad else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
@@ -30,9 +33,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             safe_y = torch.where(valid, y, 0)
             target = logits.gather(1, safe_y[:, None]).squeeze(1)
             loss += ((lse - target) * valid).sum()
+            if z_weight:
+                z_sum += (lse.square() * valid).sum()
             if need_grad:
-                # d(sum of token losses)/d(logits) = softmax - one_hot(target), zero for ignored tokens
+                # d(CE)/d(logits) = softmax - one_hot(target); d(w * lse^2)/d(logits) = 2 w lse softmax
                 probs = logits.sub_(lse[:, None]).exp_()
+                if z_weight:
+                    probs.mul_(1.0 + 2.0 * z_weight * lse[:, None])
                 probs[torch.arange(len(y), device=y.device), safe_y] -= 1.0
                 probs.mul_(valid[:, None])
                 probs = probs.to(hidden.dtype)
@@ -40,28 +47,33 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 grad_w.addmm_(probs.t().float(), h.float())
         if need_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
-        return loss
+        ctx.mark_non_differentiable(z_sum)
+        return loss + z_weight * z_sum, z_sum
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, _grad_z: torch.Tensor | None = None):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None
 
 
 def chunked_linear_cross_entropy_sum(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
-) -> torch.Tensor:
-    """Sum of token cross-entropies of ``hidden @ weight.T`` without materializing all logits.
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, z_loss_weight: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token cross-entropies (plus z-loss) of ``hidden @ weight.T`` without materializing all logits.
 
     Args:
         hidden: ``(tokens, dim)`` or ``(batch, seq, dim)`` final hidden states (after the final norm).
         weight: ``(vocab, dim)`` output head weight (a plain tensor: not vocab-sharded).
         labels: ``(tokens,)`` or ``(batch, seq)`` int64; ``IGNORE_INDEX`` positions are excluded.
         chunk_size: tokens per chunk (> 0); peak extra memory is ``chunk_size * vocab * 4`` bytes.
+        z_loss_weight: weight ``w`` of the z-loss ``w * logsumexp(logits)^2`` per target token (PaLM,
+            arXiv:2204.02311 sec. 5); 0 turns it off.
 
     Returns:
-        Scalar fp32 sum of token losses (nats), differentiable w.r.t. ``hidden`` and ``weight``;
-        equal to ``F.cross_entropy(hidden @ weight.T, labels, reduction="sum", ignore_index=-100)``.
+        ``(loss_sum, z_sum)``: loss_sum is the fp32 scalar ``CE sum + w * z_sum`` (nats), differentiable
+        w.r.t. ``hidden`` and ``weight``, where the CE sum equals ``F.cross_entropy(hidden @ weight.T,
+        labels, reduction="sum", ignore_index=-100)``; z_sum is the non-differentiable sum of
+        ``logsumexp^2`` over target tokens (0 when ``w == 0``).
 
     Raises:
         ValueError: ``chunk_size`` < 1, or ``hidden`` and ``labels`` disagree in token count.
@@ -73,4 +85,4 @@ def chunked_linear_cross_entropy_sum(
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree in the number of tokens."
         )
-    return _LinearCrossEntropySum.apply(hidden2d, weight, labels1d, chunk_size)
+    return _LinearCrossEntropySum.apply(hidden2d, weight, labels1d, chunk_size, float(z_loss_weight))

@@ -105,6 +105,24 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple
     return loss_sum, (labels != IGNORE_INDEX).sum()
 
 
+def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over target tokens of ``logsumexp(logits)^2`` (fp32, differentiable): the z-loss of PaLM
+    (Chowdhery et al., arXiv:2204.02311 sec. 5), which keeps the softmax normalizer near 1.
+
+    Args:
+        logits: ``(batch, seq, vocab)`` tensor, or a vocab-sharded DTensor (tensor parallel: the
+            log-sum-exp then reduces over the vocab shards through DTensor's reduction rules).
+        labels: ``(batch, seq)`` int64; ``IGNORE_INDEX`` positions are excluded.
+
+    Returns:
+        Scalar fp32 plain tensor; multiply by the z-loss weight (PaLM: 1e-4) and add to the loss sum.
+    """
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    if isinstance(lse, DTensor):
+        lse = lse.full_tensor()
+    return (lse.square() * (labels != IGNORE_INDEX)).sum()
+
+
 class StepTokenNormalizer:
     """Normalize one optimizer step's gradient by its global target-token count (dp ranks x micro-batches).
 

@@ -16,7 +16,7 @@ from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.lr import SchedulerConfig
-from kempnerforge.training.optim import OptimizerConfig
+from kempnerforge.training.optimizers import OptimizerConfig
 
 
 class DropBatches:

@@ -19,7 +19,7 @@ from kempnerforge.module import CausalLM
 from kempnerforge.parallel.grad_clip import total_grad_norm
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.lr import SchedulerConfig
-from kempnerforge.training.optim import OptimizerConfig
+from kempnerforge.training.optimizers import OptimizerConfig
 
 
 class Recorder(Callback):

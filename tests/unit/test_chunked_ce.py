@@ -20,21 +20,26 @@ from kempnerforge.training.loss import IGNORE_INDEX
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=16, multiple_of=16)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
-def test_value_and_gradients_equal_plain_cross_entropy(chunk):
+@pytest.mark.parametrize("chunk,z_weight", [(1, 0.0), (7, 0.0), (64, 0.0), (1000, 0.0), (7, 0.01)])
+def test_value_and_gradients_equal_plain_cross_entropy(chunk, z_weight):
+    """Chunked CE (+ z-loss) == F.cross_entropy (+ w * sum lse^2 over targets), value and both gradients."""
     torch.manual_seed(0)
     h = torch.randn(3, 21, 24, requires_grad=True)
     w = torch.randn(301, 24, requires_grad=True)
     y = torch.randint(0, 301, (3, 21))
     y[0, :4] = IGNORE_INDEX
     y[2, :] = IGNORE_INDEX  # a row with no target at all
-    ref = F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    logits = (h @ w.t()).flatten(0, 1)
+    ref = F.cross_entropy(logits, y.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    z_ref = (torch.logsumexp(logits, -1).square() * (y.flatten() != IGNORE_INDEX)).sum()
+    ref = ref + z_weight * z_ref
     (ref * 0.5).backward()
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
-    out = chunked_linear_cross_entropy_sum(h, w, y, chunk)
+    out, z_sum = chunked_linear_cross_entropy_sum(h, w, y, chunk, z_weight)
     (out * 0.5).backward()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(z_sum, z_ref.detach() if z_weight else torch.tensor(0.0), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(h.grad, gh, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, gw, rtol=1e-5, atol=1e-6)
 
@@ -45,7 +50,7 @@ def test_model_forward_with_labels_equals_logits_path_and_validates():
     tokens = torch.randint(0, CFG.vocab_size, (2, 16))
     labels = torch.randint(0, CFG.vocab_size, (2, 16))
     ref = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), reduction="sum")
-    torch.testing.assert_close(model(tokens, labels=labels, loss_chunk_size=5), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(model(tokens, labels=labels, loss_chunk_size=5)[0], ref, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="needs loss_chunk_size >= 1, got 0"):
         model(tokens, labels=labels)
     with pytest.raises(ValueError, match="chunk_size=0 must be >= 1"):
@@ -54,10 +59,10 @@ def test_model_forward_with_labels_equals_logits_path_and_validates():
         chunked_linear_cross_entropy_sum(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), 2)
 
 
-def _train(chunk: int, samples, cfg: ModelConfig = CFG) -> CausalLM:
+def _train(chunk: int, samples, cfg: ModelConfig = CFG, z: float = 0.0) -> CausalLM:
     from kempnerforge.strategies import KempnerStrategy
 
-    module = CausalLM(cfg, loss_chunk_size=chunk, init_seed=1)
+    module = CausalLM(cfg, loss_chunk_size=chunk, init_seed=1, z_loss_weight=z)
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -73,15 +78,20 @@ def _train(chunk: int, samples, cfg: ModelConfig = CFG) -> CausalLM:
     return module
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_three_training_steps_match_the_plain_loss(moe):
-    cfg = replace(CFG, num_experts=4, top_k=2) if moe else CFG  # MoE: aux losses ride on the same step
+@pytest.mark.parametrize("moe,z", [(False, 0.0), (True, 0.0), (False, 0.05)], ids=["dense", "moe", "dense_zloss"])
+def test_three_training_steps_match_the_plain_loss(moe, z):
+    """Module level: chunked and plain paths give the same weights after 3 steps (MoE aux losses and the
+    z-loss ride on the same global-token normalization); the z-loss really changes the update."""
+    cfg = replace(CFG, num_experts=4, top_k=2) if moe else CFG
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, CFG.vocab_size, (12, 17), generator=gen)
     samples = [{"input_ids": r[:-1], "labels": r[1:]} for r in ids]
-    a, b = _train(0, samples, cfg), _train(6, samples, cfg)
+    a, b = _train(0, samples, cfg, z), _train(6, samples, cfg, z)
     for (name, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+    if z:
+        c = _train(0, samples, cfg, 0.0)
+        assert not torch.allclose(a.model.output.weight, c.model.output.weight, rtol=0, atol=1e-6)
 
 
 def test_chunked_loss_refused_with_tensor_parallel():

@@ -12,7 +12,7 @@ from torch import nn
 from kempnerforge.parallel.grad_clip import clip_grad_norm_, total_grad_norm
 from kempnerforge.training.loss import IGNORE_INDEX, global_token_cross_entropy
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler, lr_factor
-from kempnerforge.training.optim import OptimizerConfig, build_adamw, param_groups
+from kempnerforge.training.optimizers import OptimizerConfig, build_adamw, param_groups
 
 
 def test_loss_equals_token_mean_with_padding():
