@@ -167,10 +167,11 @@ class CausalLM(LightningModule):
             with torch.no_grad():
                 self.model.init_weights(seed=self.init_seed)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab_size)`` for ``input_ids`` ``(batch, seq)``, always a plain tensor
-        (vocab-sharded tensor-parallel logits are all-gathered)."""
-        logits = self.model(input_ids)
+        (vocab-sharded tensor-parallel logits are all-gathered); ``doc_ids`` (batch, seq) masks
+        attention per packed document."""
+        logits = self.model(input_ids, doc_ids=doc_ids)
         return to_full(logits)
 
     # -- steps ----------------------------------------------------------------------------------
@@ -188,11 +189,15 @@ class CausalLM(LightningModule):
         labels, w = batch["labels"], self.z_loss_weight
         if self.loss_chunk_size:
             total, z_sum = self.model(
-                batch["input_ids"], labels=labels, loss_chunk_size=self.loss_chunk_size, z_loss_weight=w
+                batch["input_ids"],
+                labels=labels,
+                loss_chunk_size=self.loss_chunk_size,
+                z_loss_weight=w,
+                doc_ids=batch.get("doc_ids"),
             )
             # z_sum is a constant here: total - w * z_sum has the CE value and total's gradient.
             return self._record_step(batch, batch_idx, total - w * z_sum, (labels != IGNORE_INDEX).sum(), z_sum)
-        logits = self.model(batch["input_ids"])
+        logits = self.model(batch["input_ids"], doc_ids=batch.get("doc_ids"))
         # Vocab-sharded logits (TP with loss parallel): the backward must also run under loss_parallel().
         self._loss_parallel_backward = isinstance(logits, DTensor)
         # Un-normalized: on_before_optimizer_step divides the step's gradients by its global target-token
@@ -260,7 +265,7 @@ class CausalLM(LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate token-weighted loss and perplexity (synced across ranks by torchmetrics)."""
-        logits = self(batch["input_ids"]).float()
+        logits = self(batch["input_ids"], batch.get("doc_ids")).float()
         labels = batch["labels"]
         n = (labels != IGNORE_INDEX).sum()
         loss = torch.nn.functional.cross_entropy(

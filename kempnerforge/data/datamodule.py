@@ -69,6 +69,10 @@ class TokenDataModule(L.LightningDataModule):
             source :func:`prepare_data` accepts); needs ``tokenizer``.
         tokenizer: local tokenizer directory used with ``source``.
         text_field: column holding the text for json/parquet/save_to_disk sources.
+        document_masking: pack documents with per-document causal attention: batches carry
+            ``doc_ids`` (micro_batch_size, seq_len) and the label at every EOS is ignored
+            (:mod:`kempnerforge.data.packing`). False trains on the plain window (attention crosses
+            document boundaries) with the fast causal kernel.
 
     Raises:
         ValueError: a bad argument (at construction) or data that cannot fill one global batch
@@ -88,6 +92,7 @@ class TokenDataModule(L.LightningDataModule):
         source: str | None = None,
         tokenizer: str | None = None,
         text_field: str = "text",
+        document_masking: bool = False,
     ) -> None:
         super().__init__()
         _check_positive(seq_len=seq_len, micro_batch_size=micro_batch_size)
@@ -108,6 +113,7 @@ class TokenDataModule(L.LightningDataModule):
             vocab_size,
         )
         self.source, self.tokenizer, self.text_field = source, tokenizer, text_field
+        self.document_masking = document_masking
         # Tokenize once on global rank 0 (clusters share data_dir); other ranks wait at the barrier.
         self.prepare_data_per_node = False
         self.train_dataset: MemmapTokenDataset | None = None
@@ -148,7 +154,9 @@ class TokenDataModule(L.LightningDataModule):
         """
         if self.train_dataset is not None:
             return
-        data = MemmapTokenDataset(self.data_dir, self.seq_len, vocab_size=self.vocab_size)
+        data = MemmapTokenDataset(
+            self.data_dir, self.seq_len, vocab_size=self.vocab_size, document_masking=self.document_masking
+        )
         n = len(data)
         n_val = math.ceil(n * self.val_fraction)
         if n - n_val < 1:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from kempnerforge.data.packing import pack_sample
 from kempnerforge.data.prepare import METADATA_FILE
 
 ALLOWED_DTYPES = ("uint16", "uint32")
@@ -97,13 +98,17 @@ class MemmapTokenDataset(Dataset):
             checks ids against the tokenizer's ``vocab_size`` from ``metadata.json``.
         check_token_ids: scan each shard's maximum id once at construction (one pass over the
             data; disable for very large corpora that were already checked).
+        document_masking: items also carry ``doc_ids`` (batch-able (seq_len,) int64) and ignore the
+            label at every EOS (:func:`kempnerforge.data.packing.pack_sample`), so the model masks
+            attention per document. Needs ``eos_id`` in ``metadata.json``.
 
     Raises:
         ValueError: ``seq_len <= 0``.
         FileNotFoundError: missing ``data_dir``, ``metadata.json`` or a listed shard.
         TokenDataError: corrupt shard, dtype mismatch, token count mismatch, metadata
             ``vocab_size`` above the model's ``vocab_size``, a token id ``>= vocab_size``, a shard
-            (other than the last) shorter than ``seq_len + 1`` tokens, or no window at all.
+            (other than the last) shorter than ``seq_len + 1`` tokens, no window at all, or
+            ``document_masking`` without ``eos_id`` in the metadata.
     """
 
     def __init__(
@@ -112,11 +117,20 @@ class MemmapTokenDataset(Dataset):
         seq_len: int,
         vocab_size: int | None = None,
         check_token_ids: bool = True,
+        document_masking: bool = False,
     ) -> None:
         if seq_len <= 0:
             raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len}")
         self.data_dir, self.seq_len = Path(data_dir), int(seq_len)
         self.metadata = read_metadata(self.data_dir)
+        self.eos_id: int | None = None
+        if document_masking:
+            if not isinstance(self.metadata.get("eos_id"), int):
+                raise TokenDataError(
+                    f"document_masking needs the EOS id that separates documents, but {self.data_dir / METADATA_FILE} "
+                    "has no integer 'eos_id'; re-run `kforge prepare-data` or set document_masking=false"
+                )
+            self.eos_id = self.metadata["eos_id"]
         self.vocab_size = self._check_vocab(vocab_size)
         arrays = [self._open(entry, check_token_ids) for entry in self.metadata["shards"]]
         counts = self._window_counts(arrays)
@@ -214,7 +228,8 @@ class MemmapTokenDataset(Dataset):
         begin = (g - self._offsets[shard]) * self.seq_len
         window = torch.from_numpy(self._shards()[shard][begin : begin + self.seq_len + 1].astype(np.int64))
         # Separate storages: an in-place edit of the inputs must not change the labels.
-        return {"input_ids": window[:-1], "labels": window[1:].clone()}
+        sample = {"input_ids": window[:-1], "labels": window[1:].clone()}
+        return sample if self.eos_id is None else pack_sample(sample, self.eos_id)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

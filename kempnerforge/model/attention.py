@@ -51,7 +51,9 @@ class Attention(nn.Module):
         """Causal self-attention over ``x`` (batch, seq, dim) at positions 0..seq-1.
 
         ``key_mask`` (batch, seq) bool, True at real positions, hides padded keys from every query
-        (:func:`causal_key_mask`); None is plain causal attention (the fast ``is_causal`` kernel).
+        (:func:`causal_key_mask`); a (batch, 1, seq, seq) bool mask is used as given (True = may
+        attend; e.g. :func:`document_causal_mask` for packed documents); None is plain causal
+        attention (the fast ``is_causal`` kernel).
         """
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -66,7 +68,8 @@ class Attention(nn.Module):
         if key_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_key_mask(key_mask), enable_gqa=gqa)
+            mask = key_mask if key_mask.dim() == 4 else causal_key_mask(key_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -88,3 +91,21 @@ def causal_key_mask(key_mask: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(seq, seq, dtype=torch.bool, device=key_mask.device).tril()
     eye = torch.eye(seq, dtype=torch.bool, device=key_mask.device)
     return ((causal & key_mask[:, None, :]) | eye)[:, None]
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean SDPA mask (batch, 1, seq, seq) for packed documents: query i sees key j when j <= i and
+    both belong to the same document, so no token attends across a document boundary.
+
+    Args:
+        doc_ids: (batch, seq) int, non-decreasing document index per position
+            (:func:`kempnerforge.data.packing.document_ids`).
+
+    Raises:
+        ValueError: ``doc_ids`` is not 2-D.
+    """
+    if doc_ids.dim() != 2:
+        raise ValueError(f"doc_ids must be (batch, seq), got shape {tuple(doc_ids.shape)}")
+    seq = doc_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.attention import Attention
+from kempnerforge.model.attention import Attention, document_causal_mask
 from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.moe import GroupedExperts, MoE
@@ -54,7 +54,8 @@ class TransformerBlock(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Apply the block to ``x`` (batch, seq, dim)."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, key_mask)
+        # key_mask by keyword: TP's PrepareModuleInput (sequence parallel) lays out the positional inputs only.
+        h = x + self.attention(self.attention_norm(x), cos, sin, key_mask=key_mask)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -103,6 +104,7 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None = None,
         loss_chunk_size: int = 0,
         z_loss_weight: float = 0.0,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab_size) for ``tokens`` (batch, seq) at positions 0..seq-1.
 
@@ -113,6 +115,10 @@ class Transformer(nn.Module):
         (:func:`kempnerforge.training.chunked_ce.chunked_linear_cross_entropy_sum`). That runs inside
         ``forward`` so FSDP2 still holds the all-gathered head weight.
 
+        ``doc_ids`` (batch, seq) int marks packed documents (:mod:`kempnerforge.data.packing`): no token
+        attends across a document boundary (:func:`~kempnerforge.model.attention.document_causal_mask`);
+        positions (RoPE) stay those of the window, as in torchtitan and Megatron-LM.
+
         Raises:
             ValueError: if seq > config.max_seq_len (the RoPE tables end there), or ``labels`` given
                 without ``loss_chunk_size > 0``.
@@ -121,9 +127,11 @@ class Transformer(nn.Module):
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}")
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        # Packed documents: one (batch, 1, seq, seq) mask for every layer; None keeps the is_causal kernel.
+        mask = None if doc_ids is None else document_causal_mask(doc_ids)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         if labels is None:
             return self.output(self.norm(h))
         if loss_chunk_size < 1:
