@@ -21,6 +21,7 @@ from kempnerforge.model.vlm import build_backbone
 from kempnerforge.model.vlm.expert_choice import ExpertChoiceFFN, expert_capacity
 from kempnerforge.model.vlm.moma import MoMaBackbone, MoMaBlock
 from kempnerforge.parallel.activation_checkpoint import apply_ac
+from kempnerforge.parallel.compile import apply_compile
 from kempnerforge.parallel.tensor_parallel import unmatched_plan_entries
 from tests.unit.vlm_backbone_utils import grads, padding_masks, random_inputs, tiny_text_config
 
@@ -138,10 +139,11 @@ def test_padding_never_changes_real_positions():
     assert image_route.capacity.tolist() == [math.ceil(n / 3) for n in visual_mask.sum(1).tolist()] == [2, 2, 1]
 
 
-def test_activation_checkpointing_gives_equal_grads():
+@pytest.mark.parametrize("mode", ["full", "selective_op"])
+def test_activation_checkpointing_gives_equal_grads(mode):
     model = _moma()
     ac = copy.deepcopy(model)
-    assert apply_ac(ac, "full") == ["0", "1"]
+    assert apply_ac(ac, mode) == ["0", "1"]
     ids, visual = random_inputs(model.config)
     text_mask, visual_mask = padding_masks(ids.shape[0], visual.shape[1], ids.shape[1])
     for m in (model, ac):
@@ -174,6 +176,18 @@ def test_warm_start_upcycles_the_dense_ffn_into_every_expert():
         wide.load_text_state_dict(dense.state_dict())
 
 
+def test_text_only_batch_gives_image_experts_zero_grads():
+    """visual=None: the image group still runs (on no tokens), so its parameters get zero gradients and
+    FSDP2 ranks with and without images reduce the same tensors."""
+    model = _moma()
+    ids, _ = random_inputs(model.config)
+    model(ids, None).sum().backward()
+    image = model.layers["0"].feed_forward["image"]
+    for p in (image.router.weight, image.experts.w1, image.experts.w2):
+        assert p.grad is not None and torch.count_nonzero(p.grad) == 0
+    assert torch.count_nonzero(model.layers["0"].feed_forward["text"].experts.w1.grad) > 0
+
+
 def test_config_refusals_tp_plan_and_training_only():
     with pytest.raises(ValueError, match="num_experts=0"):
         build_backbone(tiny_text_config(num_experts=4), VLMConfig(arch="moma"))
@@ -184,3 +198,5 @@ def test_config_refusals_tp_plan_and_training_only():
     assert not unmatched_plan_entries(model.layers["0"], plan.block)
     with pytest.raises(ValueError, match="sequence_parallel"):
         model.tp_plan(sequence_parallel=True)
+    with pytest.raises(ValueError, match="compile=True is not supported"):  # data-dependent expert rows
+        apply_compile(model)

@@ -86,6 +86,8 @@ class ExpertChoiceFFN(nn.Module):
     (:class:`~kempnerforge.model.moe.GroupedExperts`, ``torch._grouped_mm`` where supported).
 
     Not an ``is_moe`` layer: expert parallelism and the token-choice MoE statistics do not apply.
+    ``data_dependent_shapes`` makes per-block ``torch.compile`` refuse it (the rows each expert gets
+    are counted at run time, which full-graph compilation cannot trace).
     After each forward, :attr:`routing` holds the detached :class:`ExpertChoice`.
 
     Args:
@@ -96,6 +98,8 @@ class ExpertChoiceFFN(nn.Module):
 
     Shapes: forward(x (batch, tokens, dim), real (batch, tokens) bool or None) -> (batch, tokens, dim).
     """
+
+    data_dependent_shapes = True
 
     def __init__(self, dim: int, hidden: int, num_experts: int, capacity_factor: float) -> None:
         super().__init__()
