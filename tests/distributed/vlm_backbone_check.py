@@ -34,7 +34,7 @@ from kempnerforge.parallel.fsdp import apply_fsdp
 from kempnerforge.parallel.tensor_parallel import apply_tp
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, ffn_hidden_dim=48,
-                  rope_theta=10000.0)  # fmt: skip
+                  qk_norm=True, rope_theta=10000.0)  # fmt: skip
 BATCH, N_VIS, N_TEXT, STEPS = 4, 6, 10, 4
 
 

@@ -51,8 +51,8 @@ class MoTAttention(nn.Module):
     so column-wise TP sharding of every modality's projections runs unchanged), except that each
     token is projected by its own modality's weights (MoT, arXiv:2411.04996, Algorithm 1).
 
-    Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim), key_mask (batch,
-    seq) bool or None, dispatch) -> (batch, seq, dim).
+    Shapes: forward(parts (per modality id: (batch, n_m, dim), normed), cos (seq, head_dim), sin (seq,
+    head_dim), key_mask (batch, seq) bool or None, dispatch) -> (batch, seq, dim) in sequence order.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -66,33 +66,31 @@ class MoTAttention(nn.Module):
         self.q_norm = _per_modality(lambda: RMSNorm(hd, eps=config.norm_eps)) if config.qk_norm else None
         self.k_norm = _per_modality(lambda: RMSNorm(hd, eps=config.norm_eps)) if config.qk_norm else None
 
-    def _project(self, x: torch.Tensor, dispatch: ModalityDispatch, proj: nn.ModuleDict, norm) -> torch.Tensor:
-        """Per-modality projection (and per-head norm) -> (batch, seq, heads, head_dim) in sequence order."""
-
-        def one(name: str):
-            def run(t: torch.Tensor) -> torch.Tensor:
-                out = proj[name](t)
-                out = out.view(*out.shape[:2], out.shape[-1] // self.head_dim, self.head_dim)  # -1 fails on 0 tokens
-                return out if norm is None else norm[name](out)
-
-            return run
-
-        return dispatch.apply(x, [one(name) for name in MODALITY_NAMES])
+    def _project(self, parts: list[torch.Tensor], dispatch: ModalityDispatch, proj: nn.ModuleDict, norm):
+        """Each modality's tokens through its projection (and per-head norm), back in sequence order:
+        parts[m] (batch, n_m, dim) -> (batch, seq, heads, head_dim)."""
+        heads = []
+        for name, t in zip(MODALITY_NAMES, parts, strict=True):
+            out = proj[name](t)
+            out = out.view(*out.shape[:2], out.shape[-1] // self.head_dim, self.head_dim)  # -1 fails on 0 tokens
+            heads.append(out if norm is None else norm[name](out))
+        return dispatch.scatter(heads)
 
     def forward(
         self,
-        x: torch.Tensor,
+        parts: list[torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
         key_mask: torch.Tensor | None,
         dispatch: ModalityDispatch,
     ) -> torch.Tensor:
-        """Causal self-attention over all of ``x`` (batch, seq, dim); padded keys (``key_mask`` False)
-        are hidden from every query (:func:`~kempnerforge.model.attention.causal_key_mask`)."""
-        bsz, seq, _ = x.shape
-        q = apply_rope(self._project(x, dispatch, self.wq, self.q_norm), cos, sin)
-        k = apply_rope(self._project(x, dispatch, self.wk, self.k_norm), cos, sin)
-        v = self._project(x, dispatch, self.wv, None)
+        """Causal self-attention over the whole sequence from its per-modality parts (already gathered
+        and normed, so each modality's tokens are gathered once for Q, K and V); padded keys
+        (``key_mask`` False) are hidden from every query (:func:`~kempnerforge.model.attention.causal_key_mask`)."""
+        q = apply_rope(self._project(parts, dispatch, self.wq, self.q_norm), cos, sin)
+        k = apply_rope(self._project(parts, dispatch, self.wk, self.k_norm), cos, sin)
+        v = self._project(parts, dispatch, self.wv, None)
+        bsz, seq = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         gqa = q.shape[1] != k.shape[1]
         if key_mask is None:
@@ -131,7 +129,8 @@ class MoTBlock(nn.Module):
         dispatch: ModalityDispatch,
     ) -> torch.Tensor:
         """Apply the block to ``x`` (batch, seq, dim)."""
-        h = x + self.attention(dispatch.apply(x, _fns(self.attention_norm)), cos, sin, key_mask, dispatch)
+        normed = [self.attention_norm[name](dispatch.gather(x, m)) for m, name in enumerate(MODALITY_NAMES)]
+        h = x + self.attention(normed, cos, sin, key_mask, dispatch)
         return h + dispatch.apply(h, [self._ffn(name) for name in MODALITY_NAMES])
 
 
