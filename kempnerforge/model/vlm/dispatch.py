@@ -15,9 +15,9 @@ import torch
 
 from kempnerforge.config.vlm import IMAGE, N_MODALITIES, TEXT
 
-#: Module-name of each modality id (index = id): per-modality weights live under these keys.
-MODALITY_NAMES: tuple[str, ...] = tuple(name for _, name in sorted({TEXT: "text", IMAGE: "image"}.items()))
-assert len(MODALITY_NAMES) == N_MODALITIES
+_NAMES = {TEXT: "text", IMAGE: "image"}
+#: Module name of each modality id (index = id): per-modality weights live under these keys.
+MODALITY_NAMES: tuple[str, ...] = tuple(_NAMES[i] for i in range(N_MODALITIES))
 
 
 class ModalityDispatch:

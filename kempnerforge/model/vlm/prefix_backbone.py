@@ -9,6 +9,7 @@ and the per-FQN seeded init loop (as :meth:`kempnerforge.model.Transformer.init_
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -139,9 +140,9 @@ class PrefixBackbone(VLMBackbone):
         root = dense_decoder_tp_plan(self.config, sequence_parallel=False, loss_parallel=loss_parallel).root
         return TPPlan(root=root, block=self.block_tp_plan())
 
+    @abc.abstractmethod
     def block_tp_plan(self) -> dict[str, ParallelStyle]:
-        """FQN (relative to a block) -> style; the subclass's blocks."""
-        raise TypeError(f"{type(self).__name__} must define block_tp_plan()")
+        """FQN (relative to a block) -> style, for the subclass's blocks."""
 
     # -- init and warm start ----------------------------------------------------------------------
 
