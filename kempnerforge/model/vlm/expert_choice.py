@@ -51,7 +51,7 @@ def expert_capacity(n_real: torch.Tensor, capacity_factor: float, num_experts: i
     Returns:
         (batch,) int64.
     """
-    # Integer arithmetic in float64 with a small guard: ceil(1.0 * 8 / 4) must be 2, never 3.
+    # float64 with a small guard against rounding up: 1.1 * 90 / 3 is 33.00000000000001; its capacity is 33, not 34.
     cap = torch.ceil(n_real.double() * capacity_factor / num_experts - 1e-9).long()
     return torch.minimum(cap.clamp(min=0), n_real)
 
