@@ -200,3 +200,9 @@ def test_config_refusals_tp_plan_and_training_only():
         model.tp_plan(sequence_parallel=True)
     with pytest.raises(ValueError, match="compile=True is not supported"):  # data-dependent expert rows
         apply_compile(model)
+
+
+def test_capacity_rounds_exact_products_down_and_caps_at_real_tokens():
+    # 1.1 * 90 / 3 is 33.00000000000001 in floating point: capacity 33, not 34; never more than n_real.
+    assert expert_capacity(torch.tensor([90, 91, 0, 1, 2]), 1.1, 3).tolist() == [33, 34, 0, 1, 1]
+    assert expert_capacity(torch.tensor([4]), 8.0, 2).tolist() == [4]
