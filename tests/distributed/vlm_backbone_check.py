@@ -5,11 +5,13 @@ For each arch:
 - FSDP2 (dp_shard=2, every block checkpointed, built on meta, materialized and initialized per FQN as
   the strategy does): a few AdamW steps on one random padded batch, each rank holding half of it; the
   global losses, every step's gradients and the final parameters are compared with the same model
-  trained on the whole batch in this process (built eagerly, no AC, no FSDP).
+  trained on the whole batch in this process (built eagerly, no AC, no FSDP). A DCP checkpoint of the
+  sharded model and optimizer after step 2, loaded into a fresh sharded model, gives steps 3-4 again.
 - TP=2 (the arch's ``tp_plan``): logits and gradients of one forward/backward on the whole batch vs
   the unsharded model.
 
 Rank 0 writes ``{arch: {"fsdp_losses": [...], "single_losses": [...], "fsdp_grad_errs": [...], "fsdp_param_err": ...,
+"resumed_losses": [...],
 "tp_logits_err": ..., "tp_grad_err": ...}}`` as JSON to ``--out``.
 """
 
@@ -21,7 +23,9 @@ import json
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -35,7 +39,7 @@ from kempnerforge.parallel.tensor_parallel import apply_tp
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, ffn_hidden_dim=48,
                   qk_norm=True, rope_theta=10000.0)  # fmt: skip
-BATCH, N_VIS, N_TEXT, STEPS = 4, 6, 10, 4
+BATCH, N_VIS, N_TEXT, STEPS, RESUME_AFTER = 4, 6, 10, 4, 2
 
 
 def global_batch():
@@ -66,39 +70,62 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def check_fsdp(vlm: VLMConfig, rank: int, world: int) -> dict:
+def build_sharded(vlm: VLMConfig, mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """As the strategy does: meta build, AC, FSDP2 per block, materialize, per-FQN init; plus AdamW."""
+    with torch.device("meta"):
+        model = build_backbone(CFG, vlm)
+    apply_ac(model, "full")
+    apply_fsdp(model, mesh)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_weights(seed=4)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def fsdp_step(model, opt, batch, rank: int, world: int) -> float:
+    """One optimizer step on this rank's half of ``batch``; returns the global mean loss."""
+    per_rank = BATCH // world
+    count = int((batch[2][:, 1:] & batch[2][:, :-1]).sum())  # real targets of the global batch
+    local, _ = loss_sum(model, *(t[rank * per_rank : (rank + 1) * per_rank] for t in batch))
+    # FSDP2 averages gradients over ranks: scale so the average is the global-mean gradient.
+    (local * world / count).backward()
+    reported = local.detach().clone()
+    dist.all_reduce(reported)
+    return reported.item() / count
+
+
+def check_fsdp(vlm: VLMConfig, rank: int, world: int, ckpt_dir: str) -> dict:
     single = build_backbone(CFG, vlm)
     single.init_weights(seed=4)
-    with torch.device("meta"):
-        sharded = build_backbone(CFG, vlm)
+    single_opt = torch.optim.AdamW(single.parameters(), lr=1e-2, weight_decay=0.1)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    apply_ac(sharded, "full")
-    apply_fsdp(sharded, mesh)
-    sharded.to_empty(device="cpu")
-    sharded.tie_weights()
-    sharded.init_weights(seed=4)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (single, sharded)]
-    per_rank = BATCH // world
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    sharded, opt = build_sharded(vlm, mesh)
     single_losses, fsdp_losses, grad_errs = [], [], []
     ref = {canonical_fqn(n): p for n, p in single.named_parameters()}
     batch = global_batch()
-    for _ in range(STEPS):
+    for step in range(1, STEPS + 1):
         total, count = loss_sum(single, *batch)
         (total / count).backward()
         single_losses.append(total.item() / count)
-        local, _ = loss_sum(sharded, *(t[mine] for t in batch))
-        # FSDP2 averages gradients over ranks: scale so the average is the global-mean gradient.
-        (local * world / count).backward()
-        reported = local.detach().clone()
-        dist.all_reduce(reported)
-        fsdp_losses.append(reported.item() / count)
+        fsdp_losses.append(fsdp_step(sharded, opt, batch, rank, world))
         grad_errs.append(max_err(sharded, ref, grad=True))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        for o in (single_opt, opt):
+            o.step()
+            o.zero_grad()
+        if step == RESUME_AFTER:  # DCP checkpoint of the sharded model and optimizer
+            dcp.save(dict(zip(("model", "optim"), get_state_dict(sharded, opt), strict=True)), checkpoint_id=ckpt_dir)
+    # Resume: a fresh sharded model and optimizer load the checkpoint and run the remaining steps.
+    resumed, resumed_opt = build_sharded(vlm, mesh)
+    state = dict(zip(("model", "optim"), get_state_dict(resumed, resumed_opt), strict=True))
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_state_dict(resumed, resumed_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    resumed_losses = []
+    for _ in range(RESUME_AFTER, STEPS):
+        resumed_losses.append(fsdp_step(resumed, resumed_opt, batch, rank, world))
+        resumed_opt.step()
+        resumed_opt.zero_grad()
     return {"single_losses": single_losses, "fsdp_losses": fsdp_losses, "fsdp_grad_errs": grad_errs,
-            "fsdp_param_err": max_err(sharded, ref, grad=False)}  # fmt: skip
+            "fsdp_param_err": max_err(sharded, ref, grad=False), "resumed_losses": resumed_losses}  # fmt: skip
 
 
 def max_err(sharded, ref: dict, grad: bool) -> float:
@@ -135,12 +162,13 @@ def check_tp(vlm: VLMConfig, world: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--ckpt-dir", required=True)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     record = {}
     for vlm in (VLMConfig(arch="mot"), VLMConfig(arch="moma", moma_experts_per_modality=2)):
-        record[vlm.arch] = {**check_fsdp(vlm, rank, world), **check_tp(vlm, world)}
+        record[vlm.arch] = {**check_fsdp(vlm, rank, world, f"{args.ckpt_dir}/{vlm.arch}"), **check_tp(vlm, world)}
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f)
