@@ -32,14 +32,19 @@ def apply_compile(model: nn.Module, enabled: bool = True, fullgraph: bool = True
         Names (keys in ``model.layers``) of the compiled blocks (empty when not enabled).
 
     Raises:
-        ValueError: ``model.layers`` missing or empty, or the model has MoE layers (token routing has
-            data-dependent shapes: ``fullgraph`` compilation of an MoE block fails; use compile=False).
+        ValueError: ``model.layers`` missing or empty, or the model has MoE layers or other routed modules
+            declaring ``data_dependent_shapes`` (MoMa's expert groups): ``fullgraph`` compilation of their
+            blocks fails; use compile=False.
         TransformOrderError: compile applied twice, or after FSDP2.
     """
     record_step(model, "compile")
     if not enabled:
         return []
-    moe = [n for n, m in model.named_modules() if getattr(m, "is_moe", False)]
+    # MoE layers and MoMa's expert-choice groups (``data_dependent_shapes``) route a data-dependent
+    # number of rows to each expert.
+    moe = [
+        n for n, m in model.named_modules() if getattr(m, "is_moe", False) or getattr(m, "data_dependent_shapes", False)
+    ]
     if moe:
         raise ValueError(
             f"compile=True is not supported for MoE models ({len(moe)} MoE layers, e.g. {moe[0]}): token "

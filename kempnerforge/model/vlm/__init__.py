@@ -1,5 +1,7 @@
 """Vision-language backbones: how visual tokens join the text decoder (one registered class per arch)."""
 
 from kempnerforge.model.vlm.base import ARCHS, VLMBackbone, build_backbone, prefix_sequence, register_arch
+from kempnerforge.model.vlm.moma import MoMaBackbone  # registers "moma"
+from kempnerforge.model.vlm.mot import MoTBackbone  # registers "mot"
 
-__all__ = ["ARCHS", "VLMBackbone", "build_backbone", "prefix_sequence", "register_arch"]
+__all__ = ["ARCHS", "MoMaBackbone", "MoTBackbone", "VLMBackbone", "build_backbone", "prefix_sequence", "register_arch"]
