@@ -285,7 +285,9 @@ class CausalLM(LightningModule):
         total = self.scheduler_config.total_steps or self.trainer.max_steps
         if total is None or total < 1:
             total = max(1, self.trainer.estimated_stepping_batches)
-        scheduler = build_scheduler(optimizer, self.scheduler_config, int(total))
+        # A data mixture's annealing phases scale the LR from their step on (a pure function of the step).
+        lr_scale = getattr(getattr(self.trainer, "datamodule", None), "lr_scale", None)
+        scheduler = build_scheduler(optimizer, self.scheduler_config, int(total), lr_scale)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

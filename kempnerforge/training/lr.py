@@ -22,6 +22,7 @@ by :class:`WarmupDecayLR` rather than silently bending the curve: keep ``max_ste
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -121,15 +122,25 @@ class WarmupDecayLR(LambdaLR):
         optimizer: the optimizer whose every param group's LR is scaled.
         cfg: the schedule.
         total_steps: see :func:`lr_factor`.
+        lr_scale: optional ``step -> multiplier`` applied on top (annealing phases of a data
+            mixture, :meth:`kempnerforge.data.mixture.MixtureSchedule.lr_scale`); a pure function of
+            the step, so a resume replays it.
 
     Raises:
         ValueError: in :meth:`load_state_dict`, when the checkpoint's schedule (family, warmup,
             total_steps, ...) differs from this one: resuming would jump to another curve.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, total_steps: int) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        cfg: SchedulerConfig,
+        total_steps: int,
+        lr_scale: Callable[[int], float] | None = None,
+    ) -> None:
         self.schedule = {**asdict(cfg), "total_steps": total_steps}
-        super().__init__(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+        scale = lr_scale or (lambda step: 1.0)
+        super().__init__(optimizer, lambda step: lr_factor(step, cfg, total_steps) * scale(step))
 
     def state_dict(self) -> dict[str, Any]:
         """LambdaLR's state plus the schedule's settings."""
@@ -149,8 +160,13 @@ class WarmupDecayLR(LambdaLR):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "schedule"})
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, total_steps: int) -> WarmupDecayLR:
-    """:class:`WarmupDecayLR` for ``cfg``.
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    cfg: SchedulerConfig,
+    total_steps: int,
+    lr_scale: Callable[[int], float] | None = None,
+) -> WarmupDecayLR:
+    """:class:`WarmupDecayLR` for ``cfg`` (times ``lr_scale(step)`` when given).
 
     Raises:
         ValueError: ``total_steps`` < 1.
@@ -160,4 +176,4 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, tota
             f"The LR schedule needs a positive number of steps; got {total_steps}. "
             "Set trainer.max_steps or model.scheduler.total_steps."
         )
-    return WarmupDecayLR(optimizer, cfg, total_steps)
+    return WarmupDecayLR(optimizer, cfg, total_steps, lr_scale)
