@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,4 +111,21 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
     proc = _kforge(*common, "--trainer.max_steps=8", f"--ckpt_path={tmp_path / 'ckpt'}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000008.ckpt"
-    assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    assert events
+    # `kforge validate` on the step-8 checkpoint reproduces the validation loss the run logged at step 8.
+    validate = [a for a in common if not a.startswith(("--trainer.callbacks", "--model.scheduler"))]
+    validate[0] = "validate"
+    proc = _kforge(*validate, f"--ckpt_path={tmp_path / 'ckpt' / 'step=000008.ckpt'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.search(r"val/loss\s*│\s*([0-9.]+)", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = {}
+    for ev in events:
+        acc = EventAccumulator(str(ev))
+        acc.Reload()
+        if "val/loss" in acc.Tags()["scalars"]:
+            logged.update({e.step: e.value for e in acc.Scalars("val/loss")})
+    assert float(found.group(1)) == pytest.approx(logged[max(logged)], rel=1e-5), (found.group(1), logged)
