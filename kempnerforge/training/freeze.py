@@ -1,6 +1,8 @@
 """Freeze specs: which parameters of a VLM train, per component and by name pattern.
 
-A :class:`FreezeSpec` is applied by setting ``requires_grad`` (FSDP2 and DTensor keep the flag).
+A :class:`FreezeSpec` is applied by setting ``requires_grad`` on the (sharded) parameters; FSDP2 copies
+the flag to its unsharded parameters at every all-gather (``FSDPParam.to_unsharded``), so a change
+between steps takes effect at the next forward.
 The optimizer holds every parameter that is trainable under *any* spec of the run (the initial one
 and every step of a :class:`~kempnerforge.callbacks.FreezeSchedule`), each with its AdamW state
 created up front (:func:`init_adamw_state`): the optimizer's state tree is then the same whatever
@@ -83,25 +85,10 @@ def apply_freeze(model: nn.Module, spec: FreezeSpec) -> set[str]:
     train = trainable_names(model, spec)
     for name, p in model.named_parameters():
         p.requires_grad_(canonical_fqn(name) in train)
-    _sync_fsdp_unsharded(model)
     encoder = getattr(model, "encoder", None)
     if encoder is not None:
         encoder.train(model.training)
     return train
-
-
-def _sync_fsdp_unsharded(model: nn.Module) -> None:
-    """FSDP2 creates each unsharded parameter once (at its first all-gather) with the sharded one's
-    ``requires_grad``; a later change must be copied there or gradients would follow the old flag."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for fsdp_param in group.fsdp_params if group is not None else []:
-            if hasattr(fsdp_param, "_unsharded_param"):
-                fsdp_param._unsharded_param.requires_grad_(fsdp_param.sharded_param.requires_grad)
 
 
 def ever_trainable(model: nn.Module, specs: list[FreezeSpec]) -> list[nn.Parameter]:

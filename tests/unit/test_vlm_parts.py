@@ -3,7 +3,6 @@ image-caption data and labels, freeze specs and the freeze schedule's optimizer 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -220,4 +219,3 @@ def test_schedule_switches_by_step_and_optimizer_state_covers_every_ever_trainab
             (x**2).sum().backward()
             o.step()
     torch.testing.assert_close(p, q, rtol=0, atol=0)
-    assert math.isfinite(float(p.sum()))
