@@ -360,7 +360,6 @@ class VisionLanguage(CausalLM):
                 groups) or ``ep > 1``; ``tp`` not dividing ``cross_attn_n_kv_heads``; sequence
                 parallelism or FP8 (not supported for VLMs).
         """
-        super().validate_parallel(dims)
         cfg, vlm = self.config, self.vlm_config
         if vlm.arch == "moma" and (cfg.num_experts > 0 or dims.ep > 1):
             raise MeshConfigError(
@@ -368,6 +367,7 @@ class VisionLanguage(CausalLM):
                 f"ep={dims.ep}): MoMa's experts are its per-modality groups (vlm.moma_experts_per_modality), "
                 "not the decoder's MoE layers, and they are not expert-parallel."
             )
+        super().validate_parallel(dims)
         kv = vlm.cross_attn_n_kv_heads
         if vlm.arch == "cross_attention" and kv is not None and kv % dims.tp:
             raise MeshConfigError(f"tp={dims.tp} must divide vlm.cross_attn_n_kv_heads={kv}.")

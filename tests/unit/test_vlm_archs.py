@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
 from kempnerforge.model.vlm import ARCHS, build_backbone
 from kempnerforge.model.vlm.model import VisionLanguageModel
-from kempnerforge.module import check_vlm_lengths
+from kempnerforge.module import VisionLanguage, check_vlm_lengths
+from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
 from kempnerforge.training.loss import token_cross_entropy_sum
 from tests.vlm_tiny import tiny_connector, tiny_encoder, tiny_text, tiny_vlm
 
@@ -146,3 +148,44 @@ def test_max_seq_len_covers_visual_and_text_per_arch(arch, n_text, ok):
     else:
         with pytest.raises(ValueError, match=r"sees 65 positions \(16 visual \+ 49 text.*max_seq_len=64"):
             check_vlm_lengths(text, tiny_vlm(arch), 16, n_text)
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_tp_plan_matches_every_module_of_the_wrapper(arch):
+    """The wrapper's TP plan (backbone root entries under ``backbone.``, cross blocks by full path) matches
+    real modules, so apply_tp would not refuse it or silently skip a block."""
+    from kempnerforge.parallel.tensor_parallel import unmatched_plan_entries
+
+    with torch.device("meta"):
+        model = VisionLanguageModel(tiny_text(), tiny_vlm(arch, cross_attn_every=2), tiny_encoder(), tiny_connector())
+    plan = model.tp_plan()
+    assert unmatched_plan_entries(model, plan.root) == []
+    for block in model.layers.values():
+        assert unmatched_plan_entries(block, plan.block) == []
+
+
+def _module(arch: str, **text) -> VisionLanguage:
+    return VisionLanguage(config=tiny_text(**text), vlm=tiny_vlm(arch), encoder=tiny_encoder())
+
+
+def test_moma_with_decoder_moe_or_ep_is_refused():
+    moe = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=128, num_experts=4, top_k=2)
+    module = VisionLanguage(config=moe, vlm=tiny_vlm("moma"), encoder=tiny_encoder())
+    with pytest.raises(
+        MeshConfigError, match=r"vlm.arch='moma' needs model.config.num_experts=0 and ep=1 \(got num_experts=4, ep=1\)"
+    ):
+        module.validate_parallel(ParallelDims(world_size=1))
+    with pytest.raises(MeshConfigError, match=r"got num_experts=0, ep=2"):
+        _module("moma").validate_parallel(ParallelDims(dp_shard=2, ep=2, world_size=2))
+    _module("joint_decoder").validate_parallel(ParallelDims(world_size=1))  # the other archs pass
+
+
+def test_vlm_module_refuses_what_it_does_not_support():
+    with pytest.raises(ValueError, match="model.loss_chunk_size=64 is not supported by VisionLanguage"):
+        VisionLanguage(loss_chunk_size=64)
+    vlm = VisionLanguage(
+        config=tiny_text(), vlm=tiny_vlm("cross_attention", cross_attn_n_kv_heads=1), encoder=tiny_encoder()
+    )
+    with pytest.raises(MeshConfigError, match=r"tp=2 must divide vlm.cross_attn_n_kv_heads=1"):
+        vlm.validate_parallel(ParallelDims(dp_shard=1, tp=2, world_size=2))
+    assert _module("joint_decoder").n_visual() == 16

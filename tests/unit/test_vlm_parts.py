@@ -3,7 +3,6 @@ image-caption data and labels, freeze specs and the freeze schedule's optimizer 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from PIL import Image
