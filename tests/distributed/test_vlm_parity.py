@@ -1,5 +1,6 @@
 """Check 6: a 2-process gloo FSDP2 run of the VLM equals the single-process losses within 1e-5 (every
-registered arch), and a checkpoint resumes with identical losses and the same freeze state."""
+registered arch), a checkpoint resumes with identical losses and the same freeze state, and TP=2 over
+the backbone blocks equals one process."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_fsdp2_two_processes_equal_one(arch, tmp_path):
 def test_cross_attention_fsdp2_parity_and_resume_with_freeze_schedule(tmp_path):
     """Backbone frozen (cross blocks and connector train) until step 3, then the backbone trains too;
     the 2-process run equals 1 process, and resuming the step-2 checkpoint (before the switch) replays
-    steps 3-6 exactly, with the switch happening at the same step."""
+    steps 3-6 exactly, with the switch happening at the same step; TP=2 with AC equals one process too."""
     args = ["--arch", "cross_attention", "--schedule"]
     one = _run(1, tmp_path / "one.json", *args, "--micro-batch", "4")
     ckpt = tmp_path / "ckpt"
@@ -45,3 +46,6 @@ def test_cross_attention_fsdp2_parity_and_resume_with_freeze_schedule(tmp_path):
     assert resumed["steps"][0] == 3
     assert resumed["losses"] == two["losses"][2:]
     assert resumed["trainable"] == two["trainable"][2:]
+    # Tensor parallelism over the backbone blocks (cross blocks planned by full path) on the same batch.
+    tp = _run(2, tmp_path / "tp.json", *args, "--micro-batch", "4", "--tp", "2", "--ac", "full")
+    assert one["losses"] == pytest.approx(tp["losses"], abs=1e-5)

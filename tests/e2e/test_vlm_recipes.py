@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kempnerforge.model.vlm import ARCHS
 
@@ -43,3 +44,19 @@ def test_vlm_recipe_loss_falls_30_percent(arch, tmp_path):
     last = sum(losses[s] for s in steps[-3:]) / 3
     print(f"{arch}: train/loss {first:.3f} -> {last:.3f} over {len(steps)} steps")
     assert last <= 0.7 * first, (first, last)
+
+
+def test_vlm_recipe_print_config_takes_overrides_and_links_vocab():
+    """The VLM recipe goes through subclass mode: overrides reach init_args, vocab_size is linked into the data."""
+    cmd = [
+        sys.executable, "-m", "kempnerforge.cli", "fit", "--config", "configs/vlm_jd.yaml",
+        "--model.init_args.vlm.arch=cross_attention", "--model.init_args.connector.type=avg_pool", "--print_config",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["model"]["class_path"] == "kempnerforge.module.VisionLanguage"
+    assert cfg["model"]["init_args"]["vlm"]["arch"] == "cross_attention"
+    assert cfg["model"]["init_args"]["connector"]["type"] == "avg_pool"
+    assert cfg["data"]["class_path"] == "kempnerforge.data.vlm_datamodule.ImageTextDataModule"
+    assert "vocab_size" not in cfg["data"]["init_args"]  # linked from model.init_args.config.vocab_size
