@@ -435,7 +435,14 @@ class VisionLanguage(CausalLM):
         finally:
             for p, flag in flags.items():
                 p.requires_grad_(flag)
-        init_adamw_state(out["optimizer"])
+        optimizer = out["optimizer"]
+        if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+            init_adamw_state(optimizer)
+        elif len(specs) > 1:
+            raise ValueError(
+                f"a FreezeSchedule needs an Adam/AdamW optimizer (its state is created up front so a resume "
+                f"matches whatever is frozen); got {type(optimizer).__name__}. Drop the schedule or use AdamW."
+            )
         return out
 
 

@@ -105,7 +105,12 @@ def init_adamw_state(optimizer: torch.optim.Optimizer) -> None:
     ``exp_avg_sq``, and ``max_exp_avg_sq`` with amsgrad), so training is unchanged; parameters that
     are frozen now still get state, which keeps the checkpointed optimizer tree independent of the
     freeze state. Parameters that already have state are left alone.
+
+    Raises:
+        TypeError: ``optimizer`` is not ``torch.optim.Adam`` / ``AdamW`` (other optimizers keep other state).
     """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise TypeError(f"init_adamw_state needs torch.optim.Adam or AdamW, got {type(optimizer).__name__}.")
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for group in optimizer.param_groups:
         on_device = group.get("capturable", False) or group.get("fused", False)
