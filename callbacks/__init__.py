@@ -2,6 +2,7 @@
 
 from kempnerforge.callbacks.activation_capture import ActivationCapture
 from kempnerforge.callbacks.checkpoint_retention import CheckpointRetention
+from kempnerforge.callbacks.freeze import FreezeSchedule
 from kempnerforge.callbacks.health import HealthCheck
 from kempnerforge.callbacks.memory import MemoryMonitor
 from kempnerforge.callbacks.nan_guard import NaNGuard
@@ -12,6 +13,7 @@ from kempnerforge.callbacks.throughput import MFUMonitor
 __all__ = [
     "ActivationCapture",
     "CheckpointRetention",
+    "FreezeSchedule",
     "HealthCheck",
     "MFUMonitor",
     "MemoryMonitor",

@@ -1,6 +1,7 @@
 """The ``kforge`` command: a LightningCLI for training plus the data tools on the same entry point.
 
-``kforge fit --config configs/debug.yaml`` trains; ``kforge fit --help`` documents every
+``kforge fit --config configs/debug.yaml`` trains (a recipe whose ``model`` has a ``class_path``,
+e.g. ``configs/vlm_jd.yaml``, picks its LightningModule and DataModule by class path); ``kforge fit --help`` documents every
 ``--model.*``, ``--data.*`` and ``--trainer.*`` argument; ``kforge prepare-data --help`` tokenizes
 text into shards. Under ``srun`` Lightning detects ``SLURMEnvironment`` itself.
 """
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import jsonargparse
+import yaml
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
@@ -73,8 +76,11 @@ class KForgeCLI(LightningCLI):
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """Link the model's vocabulary size into the data module."""
-        parser.link_arguments("model.config.vocab_size", "data.vocab_size")
+        """Link the model's vocabulary size into the data module (``init_args`` paths in subclass mode)."""
+        if self.subclass_mode_model:
+            parser.link_arguments("model.init_args.config.vocab_size", "data.init_args.vocab_size")
+        else:
+            parser.link_arguments("model.config.vocab_size", "data.vocab_size")
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         # `ckpt_path` only exists once Lightning added the Trainer method's arguments (after
@@ -106,6 +112,38 @@ def resolve_auto_ckpt_path(config: Any, trainer: Any) -> None:
     config["ckpt_path"] = str(found) if found is not None else None
 
 
+def _config_paths(args: list[str]) -> list[str]:
+    paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
+    return paths + [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+
+
+def uses_class_paths(args: list[str]) -> bool:
+    """True when the recipe names its LightningModule by ``class_path`` (``model: {class_path: ...}``,
+    as the VLM recipes do) in a ``--config`` file or on the command line."""
+    if any(a.startswith(("--model.class_path", "--model=")) for a in args):
+        return True
+    for path in _config_paths(args):
+        with open(path) as f:
+            config = yaml.safe_load(f) or {}
+        if isinstance(config.get("model"), dict) and "class_path" in config["model"]:
+            return True
+    return False
+
+
+def cli_classes(args: list[str]) -> dict[str, Any]:
+    """LightningCLI class arguments for ``args``: ``CausalLM`` + ``TokenDataModule`` for plain recipes,
+    or subclass mode (any ``CausalLM`` subclass such as ``VisionLanguage``, any LightningDataModule,
+    both chosen by ``class_path``) when :func:`uses_class_paths`."""
+    if uses_class_paths(args):
+        return {
+            "model_class": CausalLM,
+            "datamodule_class": LightningDataModule,
+            "subclass_mode_model": True,
+            "subclass_mode_data": True,
+        }
+    return {"model_class": CausalLM, "datamodule_class": TokenDataModule}
+
+
 def _run_tool(name: str, argv: list[str]) -> None:
     if name == "prepare-data":
         from kempnerforge.data.prepare import prepare_main
@@ -126,8 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         _run_tool(args[0], args[1:])
         return
     KForgeCLI(
-        CausalLM,
-        TokenDataModule,
+        **cli_classes(args),
         args=args,
         trainer_defaults={"precision": "32-true"},
         save_config_kwargs={"overwrite": True},

@@ -1,4 +1,4 @@
-"""LightningModules: ``CausalLM`` (decoder LLM pretraining).
+"""LightningModules: ``CausalLM`` (decoder LLM pretraining) and ``VisionLanguage`` (VLM training).
 
 The module owns the loss, the optimizer and the metrics; parallelism, materialization and
 checkpoints belong to the strategy (``kempnerforge.strategies.KempnerStrategy``). It also runs under
@@ -17,13 +17,21 @@ from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import Perplexity
 
+from kempnerforge.callbacks.freeze import FreezeSchedule
 from kempnerforge.config import ModelConfig
+from kempnerforge.config.vision import ConnectorConfig, VisionEncoderConfig
+from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model import Transformer
+from kempnerforge.model.connectors import connector_tokens
+from kempnerforge.model.vision import build_image_processor, hf_vision_config
+from kempnerforge.model.vlm import build_backbone
+from kempnerforge.model.vlm.model import VisionLanguageModel
 from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.expert_parallel import validate_ep
 from kempnerforge.parallel.grad_clip import clip_grad_norm_
 from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
 from kempnerforge.parallel.tensor_parallel import validate_tp
+from kempnerforge.training.freeze import FreezeSpec, apply_freeze, ever_trainable, init_adamw_state
 from kempnerforge.training.loss import (
     IGNORE_INDEX,
     StepTokenNormalizer,
@@ -197,7 +205,7 @@ class CausalLM(LightningModule):
             )
             # z_sum is a constant here: total - w * z_sum has the CE value and total's gradient.
             return self._record_step(batch, batch_idx, total - w * z_sum, (labels != IGNORE_INDEX).sum(), z_sum)
-        logits = self.model(batch["input_ids"], doc_ids=batch.get("doc_ids"))
+        logits = self._logits(batch)
         # Vocab-sharded logits (TP with loss parallel): the backward must also run under loss_parallel().
         self._loss_parallel_backward = isinstance(logits, DTensor)
         # Un-normalized: on_before_optimizer_step divides the step's gradients by its global target-token
@@ -205,6 +213,11 @@ class CausalLM(LightningModule):
         loss_sum, n_targets = token_cross_entropy_sum(logits, labels)
         z_sum = z_loss_sum(logits, labels) if w else None
         return self._record_step(batch, batch_idx, loss_sum, n_targets, z_sum)
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's logits (batch, seq, vocab) for one batch (a subclass feeds more inputs); packed
+        batches' ``doc_ids`` mask attention per document."""
+        return self.model(batch["input_ids"], doc_ids=batch.get("doc_ids"))
 
     def _record_step(
         self,
@@ -265,7 +278,7 @@ class CausalLM(LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate token-weighted loss and perplexity (synced across ranks by torchmetrics)."""
-        logits = self(batch["input_ids"], batch.get("doc_ids")).float()
+        logits = to_full(self._logits(batch)).float()
         labels = batch["labels"]
         n = (labels != IGNORE_INDEX).sum()
         loss = torch.nn.functional.cross_entropy(
@@ -329,3 +342,180 @@ class CausalLM(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore ``tokens_seen``."""
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+
+
+class VisionLanguage(CausalLM):
+    """Image-conditioned next-token training of a VLM (``encoder -> connector -> backbone``).
+
+    Everything about the loss, its normalization per optimizer step, clipping, logging and
+    checkpoint extras is :class:`CausalLM`'s; this class builds a
+    :class:`~kempnerforge.model.vlm.model.VisionLanguageModel`, feeds it pixels and masks, applies
+    the freeze spec and holds every ever-trainable parameter in the optimizer.
+
+    Batches (:class:`~kempnerforge.data.image_text.ImageTextCollator`): ``input_ids``, ``labels``
+    (batch, text) int64 (-100 at padding), ``text_mask`` (batch, text) bool, ``pixel_values``
+    (batch, 3, H, W) fp32.
+
+    Args:
+        config: the text backbone (``--model.config.*``); ``max_seq_len`` must cover the positions the
+            arch's self-attention sees (``sequence_length(n_visual, text)``, checked in :meth:`setup`).
+        vlm: the architecture (``--model.vlm.arch`` etc.).
+        encoder: the vision tower.
+        connector: the connector.
+        freeze: what trains at the start (a ``FreezeSchedule`` callback may change it by step).
+        optimizer, scheduler, grad_clip, init_seed, z_loss_weight: as :class:`CausalLM`.
+        loss_chunk_size: must be 0 (the backbone returns logits; chunked loss is text-decoder only).
+
+    Raises:
+        ValueError: ``loss_chunk_size`` != 0 (at construction); the data's text length beyond what
+            ``max_seq_len`` allows for the arch (in :meth:`setup`).
+        MeshConfigError: parallel settings the VLM does not support (in :meth:`validate_parallel`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig = ModelConfig(),  # noqa: B008
+        vlm: VLMConfig = VLMConfig(),  # noqa: B008
+        encoder: VisionEncoderConfig = VisionEncoderConfig(),  # noqa: B008
+        connector: ConnectorConfig = ConnectorConfig(),  # noqa: B008
+        freeze: FreezeSpec = FreezeSpec(),  # noqa: B008
+        optimizer: OptimizerConfig = OptimizerConfig(),  # noqa: B008
+        scheduler: SchedulerConfig = SchedulerConfig(),  # noqa: B008
+        grad_clip: float = 1.0,
+        init_seed: int = 0,
+        loss_chunk_size: int = 0,
+        z_loss_weight: float = 0.0,
+    ) -> None:
+        if loss_chunk_size:
+            raise ValueError(
+                f"model.loss_chunk_size={loss_chunk_size} is not supported by VisionLanguage; set it to 0."
+            )
+        super().__init__(config, optimizer, scheduler, grad_clip, init_seed, loss_chunk_size, z_loss_weight)
+        self.vlm_config, self.encoder_config, self.connector_config, self.freeze = vlm, encoder, connector, freeze
+        self.save_hyperparameters(
+            {
+                **self.hparams,
+                "vlm": asdict(vlm),
+                "encoder": asdict(encoder),
+                "connector": asdict(connector),
+                "freeze": asdict(freeze),
+            }
+        )
+
+    def validate_parallel(self, dims: ParallelDims) -> None:
+        """:meth:`CausalLM.validate_parallel` plus the VLM's rules.
+
+        Raises:
+            MeshConfigError: ``moma`` with ``num_experts > 0`` (MoMa's experts are its own modality
+                groups) or ``ep > 1``; ``tp`` not dividing ``cross_attn_n_kv_heads``; sequence
+                parallelism or FP8 (not supported for VLMs).
+        """
+        cfg, vlm = self.config, self.vlm_config
+        if vlm.arch == "moma" and (cfg.num_experts > 0 or dims.ep > 1):
+            raise MeshConfigError(
+                f"vlm.arch='moma' needs model.config.num_experts=0 and ep=1 (got num_experts={cfg.num_experts}, "
+                f"ep={dims.ep}): MoMa's experts are its per-modality groups (vlm.moma_experts_per_modality), "
+                "not the decoder's MoE layers, and they are not expert-parallel."
+            )
+        super().validate_parallel(dims)
+        kv = vlm.cross_attn_n_kv_heads
+        if vlm.arch == "cross_attention" and kv is not None and kv % dims.tp:
+            raise MeshConfigError(f"tp={dims.tp} must divide vlm.cross_attn_n_kv_heads={kv}.")
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "sequence_parallel", False):
+            raise MeshConfigError("sequence_parallel=True is not supported for VisionLanguage; set it to False.")
+        if getattr(strategy, "float8_recipe", None) is not None:
+            raise MeshConfigError("float8_recipe is not supported for VisionLanguage; set it to null.")
+
+    def n_visual(self) -> int:
+        """Visual tokens per image (from the configs alone; reads the encoder's config.json if pretrained)."""
+        grid, width = encoder_grid_and_width(self.encoder_config)
+        return connector_tokens(self.connector_config, grid, width)
+
+    def setup(self, stage: str) -> None:
+        """Check that the data's text length fits ``max_seq_len`` for the arch, before the model is built.
+
+        Raises:
+            ValueError: ``sequence_length(n_visual, max_text_len) > max_seq_len`` (names both numbers).
+        """
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        max_text = getattr(datamodule, "max_text_len", None)
+        if max_text is not None:
+            check_vlm_lengths(self.config, self.vlm_config, self.n_visual(), max_text)
+
+    def image_processor(self):
+        """The image processor matching the encoder (see :func:`~kempnerforge.model.vision.build_image_processor`)."""
+        return build_image_processor(self.encoder_config)
+
+    def configure_model(self) -> None:
+        """Build the VLM once (on meta under KempnerStrategy) and apply the freeze spec."""
+        if self.model is not None:
+            return
+        self.model = VisionLanguageModel(self.config, self.vlm_config, self.encoder_config, self.connector_config)
+        if not any(p.is_meta for p in self.model.parameters()):
+            with torch.no_grad():
+                self.model.init_weights(seed=self.init_seed)
+        apply_freeze(self.model, self.freeze)
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(
+            batch["input_ids"], batch.get("pixel_values"), batch.get("text_mask"), batch.get("visual_mask")
+        )
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, **masks: Any) -> torch.Tensor:
+        """Logits (batch, text, vocab_size) as a plain tensor (see :class:`VisionLanguageModel`)."""
+        return to_full(self.model(input_ids, pixel_values, masks.get("text_mask"), masks.get("visual_mask")))
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Backbone training FLOPs per text token (encoder and connector not counted), FLOP/token."""
+        return self.config.flops_per_token(seq_len)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW over every parameter trainable under the initial spec or any ``FreezeSchedule`` step, with
+        its state created up front (:func:`~kempnerforge.training.freeze.init_adamw_state`), and the schedule."""
+        specs = [self.freeze]
+        for cb in self.trainer.callbacks if self._trainer is not None else []:
+            specs += cb.specs if isinstance(cb, FreezeSchedule) else []
+        keep = {id(p) for p in ever_trainable(self.model, specs)}
+        flags = {p: p.requires_grad for p in self.model.parameters()}
+        for p in flags:  # param_groups() takes trainable parameters: make it see the ever-trainable set
+            p.requires_grad_(id(p) in keep)
+        try:
+            out = super().configure_optimizers()
+        finally:
+            for p, flag in flags.items():
+                p.requires_grad_(flag)
+        optimizer = out["optimizer"]
+        if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+            init_adamw_state(optimizer)
+        elif len(specs) > 1:
+            raise ValueError(
+                f"a FreezeSchedule needs an Adam/AdamW optimizer (its state is created up front so a resume "
+                f"matches whatever is frozen); got {type(optimizer).__name__}. Drop the schedule or use AdamW."
+            )
+        return out
+
+
+def encoder_grid_and_width(cfg: VisionEncoderConfig) -> tuple[tuple[int, int], int]:
+    """(patch grid (rows, cols), feature width) of the tower ``cfg`` describes, without building it."""
+    hf = hf_vision_config(cfg)
+    side = hf.image_size // hf.patch_size
+    return (side, side), hf.hidden_size
+
+
+def check_vlm_lengths(text: ModelConfig, vlm: VLMConfig, n_visual: int, max_text_len: int) -> int:
+    """Positions the arch's self-attention sees for ``n_visual`` visual and ``max_text_len`` text tokens.
+
+    Raises:
+        ValueError: more than ``text.max_seq_len`` (the RoPE tables end there); names the numbers.
+    """
+    with torch.device("meta"):
+        backbone = build_backbone(text, vlm)
+    seq = backbone.sequence_length(n_visual, max_text_len)
+    if seq > text.max_seq_len:
+        raise ValueError(
+            f"vlm.arch={vlm.arch!r} sees {seq} positions ({n_visual} visual + {max_text_len} text tokens per "
+            f"sample, data.max_text_len) but model.config.max_seq_len={text.max_seq_len}: raise max_seq_len to "
+            f">= {seq} or lower data.max_text_len / the connector's token count."
+        )
+    return seq

@@ -37,7 +37,8 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """Shard ``model`` with FSDP2 in place: each block of ``model.layers``, then the root.
+    """Shard ``model`` with FSDP2 in place: the units ``model.fsdp_units()`` declares (if any), each
+    block of ``model.layers``, then the root.
 
     On a one-rank mesh with fp32 parameters FSDP2 has nothing to shard or reduce and would only copy
     every parameter and gradient through its flat buffers (~10% of a CPU step at world size 1), so the
@@ -46,6 +47,8 @@ def apply_fsdp(
 
     Args:
         model: a module with ``layers`` (``nn.ModuleDict`` or ``nn.ModuleList`` of blocks); may be on meta.
+            Optionally ``fsdp_units()``: further submodules, each its own unit, listed inner before outer
+            (e.g. a VLM's encoder layers, then the encoder, then the connector).
         mesh: 1-D ``dp_shard`` mesh, or 2-D ``(dp_replicate, dp_shard)`` for HSDP.
         param_dtype: compute dtype of unsharded parameters (bf16 for mixed precision).
         reduce_dtype: dtype of gradient reduce-scatter / all-reduce (keep fp32).
@@ -64,6 +67,9 @@ def apply_fsdp(
     if mesh.size() == 1 and param_dtype == torch.float32 and expert_mesh is None:
         return
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Other units the model declares (a VLM's encoder layers, encoder, connector), before its blocks.
+    for unit in model.fsdp_units() if callable(getattr(model, "fsdp_units", None)) else []:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
     for i, block in enumerate(blocks):
         # The last block's parameters are all-gathered again right away by the root's backward, so keep them.

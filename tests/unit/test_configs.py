@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kempnerforge.cli import KForgeCLI
-from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.cli import KForgeCLI, cli_classes
 from kempnerforge.module import CausalLM
 from kempnerforge.strategies import KempnerStrategy
 
@@ -17,11 +16,19 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_recipe_instantiates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # loggers and checkpoint dirs land here, not in the repo
-    cli = KForgeCLI(CausalLM, TokenDataModule, args=["--config", str(path)], run=False, auto_configure_optimizers=False)
-    assert isinstance(cli.model, CausalLM)
+    args = ["--config", str(path)]
+    cli = KForgeCLI(**cli_classes(args), args=args, run=False, auto_configure_optimizers=False)
+    assert isinstance(cli.model, CausalLM)  # VisionLanguage subclasses it
     assert isinstance(cli.trainer.strategy, KempnerStrategy)
     assert cli.datamodule.vocab_size == cli.model.config.vocab_size
-    assert cli.datamodule.seq_len <= cli.model.config.max_seq_len
+    seq_len = getattr(cli.datamodule, "seq_len", None)
+    if seq_len is not None:
+        assert seq_len <= cli.model.config.max_seq_len
+    else:  # VLM recipes: visual + text positions per arch fit max_seq_len
+        from kempnerforge.module import check_vlm_lengths
+
+        n_visual = cli.model.n_visual() if cli.model.encoder_config.pretrained_path is None else 0
+        check_vlm_lengths(cli.model.config, cli.model.vlm_config, n_visual, cli.datamodule.max_text_len)
 
 
 def test_there_is_at_least_the_debug_recipe():

@@ -1,0 +1,103 @@
+"""``joint_decoder``: visual tokens prepended to the text in one causal decoder (LLaVA, Liu et al., arXiv:2304.08485).
+
+The backbone is the dense :class:`~kempnerforge.model.Transformer` with the same module names
+(``tok_embeddings``, ``layers.{i}``, ``norm``, ``output``) and the same init, so a text checkpoint
+loads unchanged and a text-only batch gives the text model's logits. Only text positions produce
+logits (the loss is on text only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.vlm import VLMConfig
+from kempnerforge.model.norm import RMSNorm
+from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
+from kempnerforge.model.transformer import Transformer, TransformerBlock
+from kempnerforge.model.vlm.base import VLMBackbone, prefix_sequence, register_arch
+
+#: Key fragments of weights a VLM backbone adds to the text model (not expected in a text state dict).
+NEW_KEY_PARTS: tuple[str, ...] = (".cross_",)
+
+
+def _is_new_key(key: str) -> bool:
+    return any(part in key for part in NEW_KEY_PARTS)
+
+
+def load_matching_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` (a dense Transformer's FQNs) into the same-named tensors of ``module``.
+
+    Raises:
+        KeyError: a text key of ``module`` (any key without a :data:`NEW_KEY_PARTS` fragment) is missing
+            from ``state``, or ``state`` holds keys ``module`` does not have (all of them named).
+    """
+    own = module.state_dict()
+    unknown = sorted(set(state) - set(own))
+    if unknown:
+        raise KeyError(f"text state dict has keys this backbone does not have: {unknown}")
+    missing = sorted(k for k in own if k not in state and not _is_new_key(k))
+    if missing:
+        raise KeyError(f"text state dict is missing keys: {missing}")
+    module.load_state_dict(state, strict=False)
+
+
+@register_arch("joint_decoder")
+class JointDecoder(VLMBackbone):
+    """LLaVA-style backbone: ``[visual tokens; text tokens]`` through the dense decoder.
+
+    Shapes: see :class:`~kempnerforge.model.vlm.base.VLMBackbone`; the self-attention sees
+    ``n_visual + n_text`` positions (RoPE positions 0.. over the joint sequence). Padded visual or
+    text positions are hidden as keys (``key_mask``).
+    """
+
+    # The dense decoder's weight init and tying apply unchanged (same module names and types).
+    init_weights = Transformer.init_weights
+    _init_experts = Transformer._init_experts
+    tie_weights = Transformer.tie_weights
+
+    def __init__(self, text: ModelConfig, vlm: VLMConfig) -> None:
+        super().__init__(text, vlm)
+        self.tok_embeddings = nn.Embedding(text.vocab_size, text.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(text, i) for i in range(text.n_layers)})
+        self.norm = RMSNorm(text.dim, eps=text.norm_eps)
+        self.output = nn.Linear(text.dim, text.vocab_size, bias=False)
+        cos, sin = rope_tables(text.head_dim, text.max_seq_len, text.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.tie_weights()
+
+    def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> TPPlan:
+        """The dense decoder's plan (:func:`~kempnerforge.model.tp_plan.dense_decoder_tp_plan`)."""
+        return dense_decoder_tp_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+    def sequence_length(self, n_visual: int, n_text: int) -> int:
+        """``n_visual + n_text``: both share the self-attention."""
+        return n_visual + n_text
+
+    def load_text_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a dense Transformer state dict (identical FQNs). Raises ``KeyError`` naming missing/unknown keys."""
+        load_matching_state(self, state)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        visual: torch.Tensor | None,
+        text_mask: torch.Tensor | None = None,
+        visual_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Text logits (batch, n_text, vocab_size); raises ValueError when n_visual + n_text > max_seq_len."""
+        h, key_mask, _ = prefix_sequence(visual, self.tok_embeddings(input_ids), visual_mask, text_mask)
+        seq = h.shape[1]
+        if seq > self.rope_cos.shape[0]:
+            raise ValueError(
+                f"joint sequence of {seq} positions (visual + text) exceeds ModelConfig.max_seq_len="
+                f"{self.rope_cos.shape[0]}"
+            )
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, key_mask)
+        n_text = input_ids.shape[1]
+        return self.output(self.norm(h[:, seq - n_text :]))

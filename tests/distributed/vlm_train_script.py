@@ -1,0 +1,101 @@
+"""A tiny VLM training run on the bundled photos, launched by tests/distributed/test_vlm_parity.py under torchrun.
+
+Writes the per-step global losses (rank 0) and the freeze state seen at each step as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kempnerforge.callbacks import FreezeSchedule  # noqa: E402
+from kempnerforge.data.vlm_datamodule import ImageTextDataModule  # noqa: E402
+from kempnerforge.module import VisionLanguage  # noqa: E402
+from kempnerforge.strategies import KempnerStrategy  # noqa: E402
+from kempnerforge.training.freeze import FreezeSpec  # noqa: E402
+from kempnerforge.training.lr import SchedulerConfig  # noqa: E402
+from kempnerforge.training.optimizers import OptimizerConfig  # noqa: E402
+from tests.distributed.train_script import Recorder  # noqa: E402
+from tests.vlm_tiny import GPT2, IMAGES, tiny_connector, tiny_encoder, tiny_text, tiny_vlm  # noqa: E402
+
+
+class FreezeRecorder(Recorder):
+    """Also records, per step, how many parameters were trainable when the batch ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trainable: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.trainable.append(sum(p.requires_grad for p in pl_module.model.parameters()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--schedule", action="store_true", help="start with the backbone frozen, unfreeze at step 3")
+    p.add_argument("--ac", default="none")
+    p.add_argument("--tp", type=int, default=1)
+    args = p.parse_args()
+
+    seed_everything(0, workers=True)
+    torch.use_deterministic_algorithms(True)
+    spec = FreezeSpec(encoder=True)
+    callbacks = [FreezeRecorder()]
+    if args.schedule:
+        spec = FreezeSpec(encoder=True, backbone=True, trainable_patterns=["backbone.layers.*.cross_*"])
+        callbacks.append(FreezeSchedule(steps=[3], specs=[FreezeSpec(encoder=True)]))
+    module = VisionLanguage(
+        config=tiny_text(vocab_size=50257, max_seq_len=48),
+        vlm=tiny_vlm(args.arch),
+        encoder=tiny_encoder(),
+        connector=tiny_connector("mlp2"),
+        freeze=spec,
+        optimizer=OptimizerConfig(lr=3e-3),
+        scheduler=SchedulerConfig(warmup_steps=2, total_steps=20),
+    )
+    data = ImageTextDataModule(
+        source=str(IMAGES / "captions.jsonl"), tokenizer=str(GPT2), max_text_len=24, micro_batch_size=args.micro_batch
+    )
+    if args.ckpt_dir:
+        callbacks.append(
+            ModelCheckpoint(dirpath=args.ckpt_dir, filename="step={step:04d}", auto_insert_metric_name=False,
+                            every_n_train_steps=args.ckpt_every, save_top_k=-1)
+        )  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=KempnerStrategy(dp_shard=-1, tp=args.tp, activation_checkpointing=args.ac),
+        max_steps=args.steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    if trainer.global_rank == 0:
+        rec = callbacks[0]
+        with open(args.out, "w") as f:
+            json.dump({"losses": rec.losses, "steps": rec.steps, "trainable": rec.trainable}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""VLM backbones: cross-attention is the text model at init (check 2), padding never changes real outputs
+(check 4, every registered arch), the wrapper's FQNs / init / TP plan, and length validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kempnerforge.config import ModelConfig
+from kempnerforge.model import Transformer
+from kempnerforge.model.vlm import ARCHS, build_backbone
+from kempnerforge.model.vlm.model import VisionLanguageModel
+from kempnerforge.module import VisionLanguage, check_vlm_lengths
+from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
+from kempnerforge.training.loss import token_cross_entropy_sum
+from tests.vlm_tiny import tiny_connector, tiny_encoder, tiny_text, tiny_vlm
+
+ARCH_NAMES = sorted(ARCHS)
+
+
+def _text_model(seed: int = 3) -> Transformer:
+    model = Transformer(tiny_text())
+    model.init_weights(seed)
+    return model
+
+
+@pytest.mark.parametrize("n_kv", [None, 2, 1], ids=["mha", "gqa2", "gqa1"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_cross_attention_equals_the_text_model_at_init(n_kv, every):
+    backbone = build_backbone(
+        tiny_text(), tiny_vlm("cross_attention", cross_attn_n_kv_heads=n_kv, cross_attn_every=every)
+    )
+    backbone.init_weights(3)
+    assert backbone.cross_layers == list(range(0, 2, every))
+    ids = torch.randint(0, 128, (2, 10))
+    visual = torch.randn(2, 6, 32)
+    expected = _text_model(3)(ids)
+    torch.testing.assert_close(backbone(ids, visual), expected, rtol=0, atol=0)
+    # The cross blocks are live: opening a gate changes the output.
+    with torch.no_grad():
+        backbone.layers["0"].cross_attention_gate.fill_(0.5)
+    assert not torch.allclose(backbone(ids, visual), expected)
+
+
+def test_joint_decoder_without_images_is_the_text_model():
+    backbone = build_backbone(tiny_text(), tiny_vlm("joint_decoder"))
+    backbone.init_weights(3)
+    ids = torch.randint(0, 128, (2, 10))
+    torch.testing.assert_close(backbone(ids, None), _text_model(3)(ids), rtol=0, atol=0)
+    assert set(backbone.state_dict()) == set(_text_model(3).state_dict())
+
+
+@pytest.mark.parametrize("arch", ["joint_decoder", "cross_attention"])
+def test_load_text_state_dict_copies_a_dense_checkpoint(arch):
+    text = _text_model(7)
+    backbone = build_backbone(tiny_text(), tiny_vlm(arch))
+    backbone.init_weights(0)
+    backbone.load_text_state_dict(text.state_dict())
+    ids = torch.randint(0, 128, (1, 8))
+    visual = None if arch == "joint_decoder" else torch.randn(1, 4, 32)  # zero gates: images add nothing yet
+    torch.testing.assert_close(backbone(ids, visual), text(ids), rtol=0, atol=1e-6)
+    with pytest.raises(KeyError, match="missing keys"):
+        backbone.load_text_state_dict({k: v for k, v in text.state_dict().items() if k != "norm.weight"})
+
+
+def _vlm(arch: str, seed: int = 0) -> VisionLanguageModel:
+    torch.manual_seed(0)
+    model = VisionLanguageModel(tiny_text(), tiny_vlm(arch), tiny_encoder(), tiny_connector())
+    model.init_weights(seed)
+    if arch == "cross_attention":  # open the gates: otherwise images could not influence anything
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_gate"):
+                    p.fill_(0.7)
+    return model
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_padding_never_changes_real_outputs_or_loss(arch):
+    """Check 4: right-padded text and padded visual tokens change nothing at real text positions."""
+    model = _vlm(arch).eval()
+    pixels = torch.randn(2, 3, 32, 32)
+    ids = torch.randint(0, 128, (2, 12))
+    lengths = [12, 7]
+    text_mask = torch.arange(12)[None] < torch.tensor(lengths)[:, None]
+    labels = torch.where(text_mask, torch.randint(0, 128, (2, 12)), -100)
+    out = model(ids, pixels, text_mask)
+    # Other values at the padded text positions: same outputs at real ones, same loss.
+    ids2 = torch.where(text_mask, ids, torch.randint(0, 128, (2, 12)))
+    out2 = model(ids2, pixels, text_mask)
+    torch.testing.assert_close(out2[text_mask], out[text_mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(token_cross_entropy_sum(out2, labels)[0], token_cross_entropy_sum(out, labels)[0])
+    # Sample 1 alone, unpadded, equals its padded row.
+    alone = model(ids[1:, :7], pixels[1:])
+    torch.testing.assert_close(out[1, :7], alone[0], rtol=0, atol=1e-5)
+    # Padded visual tokens: their values never reach real positions.
+    backbone, visual = model.backbone, model.visual_tokens(pixels)
+    visual_mask = torch.ones(2, visual.shape[1], dtype=torch.bool)
+    visual_mask[:, -2:] = False
+    noisy = visual.clone()
+    noisy[:, -2:] = 100 * torch.randn_like(noisy[:, -2:])
+    a = backbone(ids, visual, text_mask, visual_mask)
+    b = backbone(ids, noisy, text_mask, visual_mask)
+    torch.testing.assert_close(a[text_mask], b[text_mask], rtol=0, atol=1e-5)
+    # ... while real visual tokens do matter.
+    assert not torch.allclose(
+        backbone(ids, visual + 1, text_mask)[text_mask], backbone(ids, visual, text_mask)[text_mask]
+    )
+
+
+def test_cross_attention_sample_without_real_visual_tokens_is_finite_and_text_only():
+    backbone = build_backbone(tiny_text(), tiny_vlm("cross_attention"))
+    backbone.init_weights(0)
+    ids = torch.randint(0, 128, (1, 6))
+    out = backbone(ids, torch.randn(1, 4, 32), visual_mask=torch.zeros(1, 4, dtype=torch.bool))
+    assert torch.isfinite(out).all()
+
+
+def test_wrapper_state_tree_init_and_tp_plan():
+    model = _vlm("joint_decoder")
+    keys = set(model.state_dict())
+    assert {k.split(".")[0] for k in keys} == {"encoder", "connector", "backbone"}
+    # Meta build + to_empty + init_weights == eager build + init_weights (weights are never lost to meta).
+    with torch.device("meta"):
+        meta = VisionLanguageModel(tiny_text(), tiny_vlm("joint_decoder"), tiny_encoder(), tiny_connector())
+    meta.to_empty(device="cpu")
+    meta.tie_weights()
+    meta.init_weights(0)
+    eager = VisionLanguageModel(tiny_text(), tiny_vlm("joint_decoder"), tiny_encoder(), tiny_connector())
+    eager.init_weights(0)
+    for (n, a), (_, b) in zip(meta.state_dict().items(), eager.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+    plan = model.tp_plan()
+    assert "backbone.tok_embeddings" in plan.root and "attention.wq" in plan.block
+    assert model.layers is model.backbone.layers
+    units = model.fsdp_units()
+    assert units[-1] is model.connector and units[-2] is model.encoder and len(units) == 2 + 2
+
+
+@pytest.mark.parametrize(
+    ("arch", "n_text", "ok"),
+    [("joint_decoder", 48, True), ("joint_decoder", 49, False), ("cross_attention", 64, True)],
+)
+def test_max_seq_len_covers_visual_and_text_per_arch(arch, n_text, ok):
+    text = tiny_text(max_seq_len=64)
+    if ok:
+        check_vlm_lengths(text, tiny_vlm(arch), 16, n_text)
+    else:
+        with pytest.raises(ValueError, match=r"sees 65 positions \(16 visual \+ 49 text.*max_seq_len=64"):
+            check_vlm_lengths(text, tiny_vlm(arch), 16, n_text)
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_tp_plan_matches_every_module_of_the_wrapper(arch):
+    """The wrapper's TP plan (backbone root entries under ``backbone.``, cross blocks by full path) matches
+    real modules, so apply_tp would not refuse it or silently skip a block."""
+    from kempnerforge.parallel.tensor_parallel import unmatched_plan_entries
+
+    with torch.device("meta"):
+        model = VisionLanguageModel(tiny_text(), tiny_vlm(arch, cross_attn_every=2), tiny_encoder(), tiny_connector())
+    plan = model.tp_plan()
+    assert unmatched_plan_entries(model, plan.root) == []
+    for block in model.layers.values():
+        assert unmatched_plan_entries(block, plan.block) == []
+
+
+def _module(arch: str, **text) -> VisionLanguage:
+    return VisionLanguage(config=tiny_text(**text), vlm=tiny_vlm(arch), encoder=tiny_encoder())
+
+
+def test_moma_with_decoder_moe_or_ep_is_refused():
+    moe = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=128, num_experts=4, top_k=2)
+    module = VisionLanguage(config=moe, vlm=tiny_vlm("moma"), encoder=tiny_encoder())
+    with pytest.raises(
+        MeshConfigError, match=r"vlm.arch='moma' needs model.config.num_experts=0 and ep=1 \(got num_experts=4, ep=1\)"
+    ):
+        module.validate_parallel(ParallelDims(world_size=1))
+    with pytest.raises(MeshConfigError, match=r"got num_experts=0, ep=2"):
+        _module("moma").validate_parallel(ParallelDims(dp_shard=2, ep=2, world_size=2))
+    _module("joint_decoder").validate_parallel(ParallelDims(world_size=1))  # the other archs pass
+
+
+def test_vlm_module_refuses_what_it_does_not_support():
+    with pytest.raises(ValueError, match="model.loss_chunk_size=64 is not supported by VisionLanguage"):
+        VisionLanguage(loss_chunk_size=64)
+    vlm = VisionLanguage(
+        config=tiny_text(), vlm=tiny_vlm("cross_attention", cross_attn_n_kv_heads=1), encoder=tiny_encoder()
+    )
+    with pytest.raises(MeshConfigError, match=r"tp=2 must divide vlm.cross_attn_n_kv_heads=1"):
+        vlm.validate_parallel(ParallelDims(dp_shard=1, tp=2, world_size=2))
+    assert _module("joint_decoder").n_visual() == 16
