@@ -1,7 +1,7 @@
 """Pipeline-parallel training runs for the distributed tests, several per launch (each launch costs ~10 s).
 
 ``--runs`` lists runs as ``name:key=value,...`` (keys: pp, schedule, v, mb, steps, ckpt_every, resume,
-micro_batch). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
+micro_batch, dp_shard, val_batches, ac). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
 writes ``{name: {"losses": [...], "grad_norms": [...], "steps": [...]}}`` to ``--out``. Checkpoints go
 to ``<--ckpt-root>/<name>``; ``resume=<other name>/<checkpoint dir>`` resumes from another run's save.
 """
@@ -70,7 +70,9 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
     trainer = Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=KempnerStrategy(pp=pp, dp_shard=opts.get("dp_shard", -1), **pp_kwargs),
+        strategy=KempnerStrategy(
+            pp=pp, dp_shard=opts.get("dp_shard", -1), activation_checkpointing=opts.get("ac", "none"), **pp_kwargs
+        ),
         max_steps=opts.get("steps", 5),
         limit_val_batches=opts.get("val_batches", 0),
         val_check_interval=opts.get("steps", 5),
