@@ -63,11 +63,12 @@ class KempnerStrategy(ModelParallelStrategy):
             (arXiv:2205.05198); needs ``seq_len % tp == 0``. Refused with ``tp=1``.
         loss_parallel: with ``tp > 1``, keep the logits vocab-sharded and compute cross-entropy on the
             shards (``torch.distributed.tensor.parallel.loss_parallel``, forward and backward);
-            False all-gathers the full ``(batch, seq, vocab)`` logits on every TP rank instead.
+            False all-gathers the full ``(batch, seq, vocab)`` logits on every TP rank instead (always
+            the case with ``pp > 1``: the pipeline's shape inference cannot run the vocab-parallel backward).
         pp: pipeline-parallel degree (dense decoders; :mod:`kempnerforge.parallel.pipeline`): the blocks
             are split into ``pp * pp_virtual_stages`` stages, each with its own TP -> FP8 -> AC -> FSDP2
             chain; the schedule runs every micro-batch's forward and backward inside Lightning's
-            ``training_step``. Not with ``tp > 1``, MoE, tied embeddings or vision-language models.
+            ``training_step``. Not with MoE, tied embeddings, vision-language models, ``loss_chunk_size``.
         pp_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble`` (interleaved zero bubble)
             or ``zbv`` (zero bubble, V placement, 2 virtual stages).
         pp_microbatches: pipeline micro-batches per step (must divide ``data.micro_batch_size``;
@@ -199,6 +200,10 @@ class KempnerStrategy(ModelParallelStrategy):
         self._validate_pipeline(dims, datamodule)
         self.parallel_mesh = dims.build_mesh(self.root_device.type)
         if dims.pp > 1:
+            if dims.tp > 1 and self.loss_parallel:
+                # The pipeline's shape inference cannot run the vocab-parallel loss backward: gather the logits.
+                rank_zero_info("pp > 1 with tp > 1: loss_parallel is off (the last stage all-gathers the logits).")
+                self.loss_parallel = False
             n_layers = self.lightning_module.config.n_layers
             self.pipeline = PipelineRunner(self.parallel_mesh.pp, n_layers, **self.pp_options)
         self._device_mesh = self.parallel_mesh.world
@@ -351,8 +356,14 @@ class KempnerStrategy(ModelParallelStrategy):
             tie_embeddings=cfg.tie_embeddings,
             is_vlm=is_vision_language(module),
         )
-        if dims.tp > 1:
-            raise MeshConfigError(f"pp={dims.pp} with tp={dims.tp} is not supported yet; use tp=1 with pp > 1.")
+        # The pipeline's last stage computes plain logits and the token cross-entropy only.
+        for field, value in (
+            ("model.loss_chunk_size", getattr(module, "loss_chunk_size", 0)),
+            ("model.z_loss_weight", getattr(module, "z_loss_weight", 0.0)),
+            ("data.document_masking", getattr(datamodule, "document_masking", False)),
+        ):
+            if value:
+                raise MeshConfigError(f"{field}={value} is not supported with pp={dims.pp}; turn it off or use pp=1.")
         microbatches = resolve_microbatches(opts["microbatches"], dims.pp, opts["virtual_stages"])
         validate_microbatches(getattr(datamodule, "micro_batch_size", None), microbatches, dims.pp, opts["schedule"])
 

@@ -1,7 +1,7 @@
 """Pipeline-parallel training runs for the distributed tests, several per launch (each launch costs ~10 s).
 
 ``--runs`` lists runs as ``name:key=value,...`` (keys: pp, schedule, v, mb, steps, ckpt_every, resume,
-micro_batch, dp_shard, val_batches, ac). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
+micro_batch, dp_shard, val_batches, ac, tp, sp). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
 writes ``{name: {"losses": [...], "grad_norms": [...], "steps": [...]}}`` to ``--out``. Checkpoints go
 to ``<--ckpt-root>/<name>``; ``resume=<other name>/<checkpoint dir>`` resumes from another run's save.
 """
@@ -28,7 +28,7 @@ from kempnerforge.training.optim import OptimizerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* under torchrun
 from tests.distributed.train_script import Recorder, tiny_config  # noqa: E402
 
-INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches")
+INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches", "tp", "sp")
 
 
 def parse_run(spec: str) -> tuple[str, dict]:
@@ -71,7 +71,12 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),
         strategy=KempnerStrategy(
-            pp=pp, dp_shard=opts.get("dp_shard", -1), activation_checkpointing=opts.get("ac", "none"), **pp_kwargs
+            pp=pp,
+            dp_shard=opts.get("dp_shard", -1),
+            tp=opts.get("tp", 1),
+            sequence_parallel=opts.get("sp", 0) == 1,
+            activation_checkpointing=opts.get("ac", "none"),
+            **pp_kwargs,
         ),
         max_steps=opts.get("steps", 5),
         limit_val_batches=opts.get("val_batches", 0),

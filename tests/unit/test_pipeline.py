@@ -147,8 +147,20 @@ def test_strategy_validates_the_model_and_data_before_allocating(config, strateg
         strat._validate_pipeline(ParallelDims(pp=2, world_size=2), data)
 
 
-def test_strategy_refuses_pp_with_tp():
-    strat = KempnerStrategy(pp=2, tp=2)
-    strat._lightning_module = CausalLM(config=TINY)
-    with pytest.raises(MeshConfigError, match=r"pp=2 with tp=2 is not supported yet"):
-        strat._validate_pipeline(ParallelDims(pp=2, tp=2, world_size=4), None)
+@pytest.mark.parametrize(
+    ("module_attr", "data_attr", "message"),
+    [
+        ({"loss_chunk_size": 16}, {}, r"model.loss_chunk_size=16 is not supported with pp=2"),
+        ({"z_loss_weight": 1e-4}, {}, r"model.z_loss_weight=0.0001 is not supported with pp=2"),
+        ({}, {"document_masking": True}, r"data.document_masking=True is not supported with pp=2"),
+    ],
+)
+def test_strategy_refuses_loss_options_the_pipeline_does_not_compute(module_attr, data_attr, message, tmp_path):
+    strat = KempnerStrategy(pp=2)
+    module = CausalLM(config=TINY)
+    vars(module).update(module_attr)
+    strat._lightning_module = module
+    data = TokenDataModule(data_dir=str(tmp_path), seq_len=8, micro_batch_size=4)
+    vars(data).update(data_attr)
+    with pytest.raises(MeshConfigError, match=message):
+        strat._validate_pipeline(ParallelDims(pp=2, world_size=2), data)
