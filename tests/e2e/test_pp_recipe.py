@@ -38,7 +38,7 @@ def test_pp_recipe_trains_on_two_processes(tmp_path, shakespeare_tokens):
                 rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v != ""})
     losses = [float(r["train/loss"]) for _, r in sorted(rows.items()) if "train/loss" in r]
     assert len(losses) == 5 and losses[0] > 10.0  # ~ln(50257) at init
-    assert losses[-1] < losses[0] - 1.0, losses
+    assert losses[-1] < losses[0] - 0.5, losses
     val = [float(r["val/loss"]) for r in rows.values() if "val/loss" in r]
     assert len(val) == 1 and val[0] < losses[0]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000010.ckpt"
