@@ -1,7 +1,7 @@
 """Pipeline-parallel training runs for the distributed tests, several per launch (each launch costs ~10 s).
 
 ``--runs`` lists runs as ``name:key=value,...`` (keys: pp, schedule, v, mb, steps, ckpt_every, resume,
-micro_batch, dp_shard, val_batches, ac, tp, sp). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
+micro_batch, dp_shard, val_batches, ac, tp, sp, acc = accumulate_grad_batches). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
 writes ``{name: {"losses": [...], "grad_norms": [...], "steps": [...]}}`` to ``--out``. Checkpoints go
 to ``<--ckpt-root>/<name>``; ``resume=<other name>/<checkpoint dir>`` resumes from another run's save.
 """
@@ -28,7 +28,15 @@ from kempnerforge.training.optim import OptimizerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* under torchrun
 from tests.distributed.train_script import Recorder, tiny_config  # noqa: E402
 
-INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches", "tp", "sp")
+INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches", "tp", "sp", "acc")
+
+
+class StepRecorder(Recorder):
+    """:class:`Recorder` at optimizer-step ends only (with gradient accumulation)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
 def parse_run(spec: str) -> tuple[str, dict]:
@@ -55,7 +63,7 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
     if pp > 1:
         pp_kwargs = {"pp_schedule": opts.get("schedule", "1f1b"), "pp_virtual_stages": opts.get("v", 1)}
         pp_kwargs["pp_microbatches"] = opts.get("mb")
-    recorder = Recorder()
+    recorder = StepRecorder()
     callbacks = [recorder]
     if opts.get("ckpt_every"):
         callbacks.append(
@@ -79,6 +87,7 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
             **pp_kwargs,
         ),
         max_steps=opts.get("steps", 5),
+        accumulate_grad_batches=opts.get("acc", 1),
         limit_val_batches=opts.get("val_batches", 0),
         val_check_interval=opts.get("steps", 5),
         logger=False,

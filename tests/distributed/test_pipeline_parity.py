@@ -23,6 +23,7 @@ PP2_RUNS = [
     "gpipe:pp=2,schedule=gpipe,mb=2,ac=full",  # per-stage activation checkpointing too
     "interleaved_1f1b:pp=2,schedule=interleaved_1f1b,v=2,mb=4",
     "zbv:pp=2,schedule=zbv,v=2,mb=4",
+    "accumulate:pp=2,micro_batch=4,acc=2,mb=2",  # 2 accumulated batches of 4 = the global batch of 8
 ]
 
 
@@ -57,7 +58,7 @@ def _assert_close(record: dict, oracle: dict, first_step: int = 1) -> None:
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbv", "accumulate"])
 def test_pp2_schedule_matches_single_process(pp2, single, schedule):
     """Check 1: 5 steps, losses and clipped-step grad norms within 1e-5 of one process; the loss moves."""
     _assert_close(pp2[schedule], single["single"])
