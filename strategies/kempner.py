@@ -29,19 +29,12 @@ from kempnerforge.parallel.compile import apply_compile
 from kempnerforge.parallel.expert_parallel import apply_ep
 from kempnerforge.parallel.float8 import apply_float8, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
-from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims, ParallelMesh, validate_degrees
+from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degrees
 from kempnerforge.parallel.order import record_step
-from kempnerforge.parallel.pipeline import (
-    is_vision_language,
-    resolve_microbatches,
-    validate_microbatches,
-    validate_pipeline_model,
-    validate_pipeline_options,
-)
+from kempnerforge.parallel.pipeline import validate_pipeline_options, validate_pipeline_run
 from kempnerforge.parallel.pipeline_runner import PipelineRunner, update_validation_metrics
 from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory
-from kempnerforge.training.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +175,6 @@ class KempnerStrategy(ModelParallelStrategy):
             "split_points": pp_split_points,
         }
         self.pipeline: PipelineRunner | None = None
-        self._pp_grads: list[torch.Tensor | None] = []
 
     # -- environment and mesh -------------------------------------------------------------------
 
@@ -341,31 +333,8 @@ class KempnerStrategy(ModelParallelStrategy):
     # -- pipeline parallelism (pp > 1) ------------------------------------------------------------
 
     def _validate_pipeline(self, dims: ParallelDims, datamodule: Any) -> None:
-        """The pp rules that need the model and the data (see :mod:`kempnerforge.parallel.pipeline`)."""
-        if dims.pp == 1:
-            return
-        module = self.lightning_module
-        cfg = module.config
-        opts = self.pp_options
-        validate_pipeline_model(
-            dims.pp,
-            opts["virtual_stages"],
-            opts["split_points"],
-            n_layers=cfg.n_layers,
-            num_experts=cfg.num_experts,
-            tie_embeddings=cfg.tie_embeddings,
-            is_vlm=is_vision_language(module),
-        )
-        # The pipeline's last stage computes plain logits and the token cross-entropy only.
-        for field, value in (
-            ("model.loss_chunk_size", getattr(module, "loss_chunk_size", 0)),
-            ("model.z_loss_weight", getattr(module, "z_loss_weight", 0.0)),
-            ("data.document_masking", getattr(datamodule, "document_masking", False)),
-        ):
-            if value:
-                raise MeshConfigError(f"{field}={value} is not supported with pp={dims.pp}; turn it off or use pp=1.")
-        microbatches = resolve_microbatches(opts["microbatches"], dims.pp, opts["virtual_stages"])
-        validate_microbatches(getattr(datamodule, "micro_batch_size", None), microbatches, dims.pp, opts["schedule"])
+        """The pp rules that need the model and the data (see ``validate_pipeline_run``)."""
+        validate_pipeline_run(dims.pp, self.lightning_module, datamodule, **self.pp_options)
 
     @property
     def pp_group(self) -> Any:
@@ -377,22 +346,8 @@ class KempnerStrategy(ModelParallelStrategy):
         returned loss (detached) goes through the module's normal step accounting and logging."""
         if self.pipeline is None:
             return super().training_step(*args, **kwargs)
-        batch, batch_idx = args[0], args[1]
-        module = self.lightning_module
-        accumulate = module.trainer.accumulate_grad_batches
-        params = list(module.model.parameters())
-        if batch_idx % accumulate == 0:  # a new optimizer step: what Lightning's zero_grad would do
-            for p in params:
-                p.grad = None
-        scale = module._dp_size() / accumulate  # what Lightning's backward would use
         with self.precision_plugin.train_step_context():
-            loss_sum = self.pipeline.train_step(batch["input_ids"], batch["labels"], scale)
-        # Lightning zeroes gradients between training_step and backward: keep them aside until backward.
-        self._pp_grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        n_targets = (batch["labels"] != IGNORE_INDEX).sum()
-        return module._record_step(batch, batch_idx, loss_sum, n_targets)
+            return self.pipeline.training_step(self.lightning_module, args[0], args[1])
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """With ``pp > 1`` the schedule already ran the backward: only the hooks run (on_before/after_backward)."""
@@ -400,9 +355,7 @@ class KempnerStrategy(ModelParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        for p, grad in zip(self.lightning_module.model.parameters(), self._pp_grads, strict=True):
-            p.grad = grad  # the schedule's gradients (set aside in training_step)
-        self._pp_grads = []
+        self.pipeline.restore_grads(self.lightning_module.model)  # the schedule's, set aside in training_step
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss

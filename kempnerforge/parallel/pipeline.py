@@ -142,6 +142,49 @@ def is_vision_language(module: object) -> bool:
     return any(isinstance(v, VLMConfig) for v in vars(module).values())
 
 
+def validate_pipeline_run(
+    pp: int,
+    module: object,
+    datamodule: object,
+    *,
+    schedule: str,
+    microbatches: int | None,
+    virtual_stages: int,
+    split_points: Sequence[int] | None,
+) -> None:
+    """The pp rules that need the LightningModule and the datamodule (no-op for ``pp=1``).
+
+    Checks :func:`validate_pipeline_model` on ``module.config``, refuses loss options the last stage
+    does not compute (the module's ``loss_chunk_size`` / ``z_loss_weight``, the data's
+    ``document_masking``), and checks the micro-batch count against ``datamodule.micro_batch_size``
+    (:func:`validate_microbatches`).
+
+    Raises:
+        MeshConfigError: naming the field, as above.
+    """
+    if pp == 1:
+        return
+    cfg = module.config
+    validate_pipeline_model(
+        pp,
+        virtual_stages,
+        split_points,
+        n_layers=cfg.n_layers,
+        num_experts=cfg.num_experts,
+        tie_embeddings=cfg.tie_embeddings,
+        is_vlm=is_vision_language(module),
+    )
+    for field, value in (
+        ("model.loss_chunk_size", getattr(module, "loss_chunk_size", 0)),
+        ("model.z_loss_weight", getattr(module, "z_loss_weight", 0.0)),
+        ("data.document_masking", getattr(datamodule, "document_masking", False)),
+    ):
+        if value:
+            raise MeshConfigError(f"{field}={value} is not supported with pp={pp}; turn it off or use pp=1.")
+    n_micro = resolve_microbatches(microbatches, pp, virtual_stages)
+    validate_microbatches(getattr(datamodule, "micro_batch_size", None), n_micro, pp, schedule)
+
+
 def resolve_microbatches(microbatches: int | None, pp: int, virtual_stages: int) -> int:
     """Micro-batches per step: ``microbatches`` or, when None, one per stage (``pp * virtual_stages``)."""
     return microbatches if microbatches is not None else pp * virtual_stages

@@ -10,6 +10,7 @@ parameters are reused by every micro-batch), materialize, build ``PipelineStage`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,7 @@ class PipelineRunner:
         self.schedule = None
         self._sums: list[torch.Tensor] = []
         self._scale = 1.0
+        self._grads: list[torch.Tensor | None] = []
 
     @property
     def has_first(self) -> bool:
@@ -156,6 +158,36 @@ class PipelineRunner:
         self._scale = loss_scale
         self._run(self.schedule.step, input_ids, labels)
         return self._reduced_sum(input_ids.device)
+
+    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """``CausalLM.training_step`` for a pipeline: the schedule's forward + backward, then the module's
+        step accounting (token normalization, logging) with the last stage's loss.
+
+        Lightning zeroes gradients between ``training_step`` and ``backward`` (first micro-batch of an
+        accumulation window), so the gradients are zeroed here instead at that point and set aside
+        until :meth:`restore_grads` (called from the strategy's ``backward``).
+
+        Returns:
+            The module's detached step loss (the backward already ran).
+        """
+        accumulate = module.trainer.accumulate_grad_batches
+        params = list(module.model.parameters())
+        if batch_idx % accumulate == 0:  # a new optimizer step
+            for p in params:
+                p.grad = None
+        scale = module._dp_size() / accumulate  # what Lightning's backward of the returned loss would apply
+        loss_sum = self.train_step(batch["input_ids"], batch["labels"], scale)
+        self._grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        n_targets = (batch["labels"] != IGNORE_INDEX).sum()
+        return module._record_step(batch, batch_idx, loss_sum, n_targets)
+
+    def restore_grads(self, model: nn.Module) -> None:
+        """Give ``model``'s parameters back the gradients :meth:`training_step` set aside."""
+        for p, grad in zip(model.parameters(), self._grads, strict=True):
+            p.grad = grad
+        self._grads = []
 
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only; returns ``(loss_sum, n_targets)`` of the batch (fp32 / int64 scalars, every pp rank)."""
