@@ -310,7 +310,8 @@ class CausalLM(LightningModule):
         global_loss, _, scale = self._step_tokens.finish(self._dp_group(), self.trainer.accumulate_grad_batches)
         self.log("train/loss", global_loss, prog_bar=True, rank_zero_only=True)
         # The token normalization rides on the clipping multiply: one pass over the gradients.
-        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, grad_scale=scale)
+        pp_group = getattr(self.trainer.strategy, "pp_group", None)  # pipeline stages: norm over all of them
+        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, grad_scale=scale, pp_group=pp_group)
         self.log("train/grad_norm", norm, rank_zero_only=True)
         self._moe_step()
 

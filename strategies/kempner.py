@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
-from kempnerforge.checkpoint.sharded_state import load_model_and_optimizers
+from kempnerforge.checkpoint.sharded_state import load_model_and_optimizers, optimizer_state
 from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_state
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
 from kempnerforge.parallel.compile import apply_compile
@@ -30,6 +30,9 @@ from kempnerforge.parallel.expert_parallel import apply_ep
 from kempnerforge.parallel.float8 import apply_float8, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
 from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degrees
+from kempnerforge.parallel.order import record_step
+from kempnerforge.parallel.pipeline import validate_pipeline_options, validate_pipeline_run
+from kempnerforge.parallel.pipeline_runner import PipelineRunner, update_validation_metrics
 from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory
 
@@ -53,8 +56,18 @@ class KempnerStrategy(ModelParallelStrategy):
             (arXiv:2205.05198); needs ``seq_len % tp == 0``. Refused with ``tp=1``.
         loss_parallel: with ``tp > 1``, keep the logits vocab-sharded and compute cross-entropy on the
             shards (``torch.distributed.tensor.parallel.loss_parallel``, forward and backward);
-            False all-gathers the full ``(batch, seq, vocab)`` logits on every TP rank instead.
-        pp: pipeline-parallel degree (refused until pipelining lands).
+            False all-gathers the full ``(batch, seq, vocab)`` logits on every TP rank instead (always
+            the case with ``pp > 1``: the pipeline's shape inference cannot run the vocab-parallel backward).
+        pp: pipeline-parallel degree (dense decoders; :mod:`kempnerforge.parallel.pipeline`): the blocks
+            are split into ``pp * pp_virtual_stages`` stages, each with its own TP -> FP8 -> AC -> FSDP2
+            chain; the schedule runs every micro-batch's forward and backward inside Lightning's
+            ``training_step``. Not with MoE, tied embeddings, vision-language models, ``loss_chunk_size``.
+        pp_schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zero_bubble`` (interleaved zero bubble)
+            or ``zbv`` (zero bubble, V placement, 2 virtual stages).
+        pp_microbatches: pipeline micro-batches per step (must divide ``data.micro_batch_size``;
+            None: one per stage).
+        pp_virtual_stages: stages per rank (1 for ``gpipe`` / ``1f1b``; ``interleaved_1f1b`` >= 1).
+        pp_split_points: first block index of every stage after the first (None: balanced by layer count).
         cp: context-parallel degree (refused: not implemented).
         ep: expert-parallel degree (MoE models; borrows ranks from dp_shard, must divide it and num_experts).
         mixed_precision_param: FSDP2 compute dtype of unsharded parameters, "float32" or "bfloat16".
@@ -111,6 +124,10 @@ class KempnerStrategy(ModelParallelStrategy):
         compile: bool = False,
         cpu_keep_freed_memory: bool = False,
         async_checkpoint: bool = False,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int | None = None,
+        pp_virtual_stages: int = 1,
+        pp_split_points: list[int] | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -150,6 +167,14 @@ class KempnerStrategy(ModelParallelStrategy):
         self.cpu_keep_freed_memory = cpu_keep_freed_memory
         self.parallel_mesh: ParallelMesh | None = None
         self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint)
+        validate_pipeline_options(pp, pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points)
+        self.pp_options = {
+            "schedule": pp_schedule,
+            "microbatches": pp_microbatches,
+            "virtual_stages": pp_virtual_stages,
+            "split_points": pp_split_points,
+        }
+        self.pipeline: PipelineRunner | None = None
 
     # -- environment and mesh -------------------------------------------------------------------
 
@@ -164,7 +189,15 @@ class KempnerStrategy(ModelParallelStrategy):
             validate(dims)
         datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
         validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
+        self._validate_pipeline(dims, datamodule)
         self.parallel_mesh = dims.build_mesh(self.root_device.type)
+        if dims.pp > 1:
+            if dims.tp > 1 and self.loss_parallel:
+                # The pipeline's shape inference cannot run the vocab-parallel loss backward: gather the logits.
+                rank_zero_info("pp > 1 with tp > 1: loss_parallel is off (the last stage all-gathers the logits).")
+                self.loss_parallel = False
+            n_layers = self.lightning_module.config.n_layers
+            self.pipeline = PipelineRunner(self.parallel_mesh.pp, n_layers, **self.pp_options)
         self._device_mesh = self.parallel_mesh.world
         self.lightning_module._device_mesh = self._device_mesh
         rank_zero_info(self.parallel_mesh.describe())
@@ -186,11 +219,15 @@ class KempnerStrategy(ModelParallelStrategy):
             self.parallelize(model)
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             self.materialize(model, seed=getattr(module, "init_seed", 0))
+        if self.pipeline is not None and self.pipeline.schedule is None:
+            self.pipeline.build(self.root_device)
         super().setup(trainer)
 
     def parallelize(self, model: nn.Module) -> None:
         """The chain in its fixed order: TP -> EP -> FP8 -> activation checkpointing -> compile -> FSDP2."""
         assert self.parallel_mesh is not None
+        if self.pipeline is not None:
+            self.pipeline.prune(model)  # on meta: this rank keeps only its stages' modules
         # TP first: its plan matches raw nn.Linear / nn.Embedding modules by FQN (any wrapper hides them).
         if self.parallel_mesh.dims.tp > 1:
             apply_tp(
@@ -209,18 +246,26 @@ class KempnerStrategy(ModelParallelStrategy):
         apply_ac(model, self.activation_checkpointing, self.ac_every_n)
         # Per-block compile after AC (the recompute is compiled too), before FSDP2 (its hooks stay outside).
         apply_compile(model, enabled=self.compile)
-        # FSDP2 last: per block, then the root (tied embedding and head share the root unit).
-        apply_fsdp(
-            model,
-            self.parallel_mesh.fsdp,
-            param_dtype=self.param_dtype,
-            reduce_dtype=self.reduce_dtype,
-            reshard_after_forward=self.reshard_after_forward,
-            expert_mesh=self.parallel_mesh.expert_fsdp if ep > 1 else None,
-        )
+        # FSDP2 last: per block, then the root (tied embedding and head share the root unit). With pp > 1
+        # every stage is a root and keeps its parameters gathered: each micro-batch reuses them.
+        units = self.pipeline.make_stages(model) if self.pipeline is not None else [model]
+        for unit in units:
+            apply_fsdp(
+                unit,
+                self.parallel_mesh.fsdp,
+                param_dtype=self.param_dtype,
+                reduce_dtype=self.reduce_dtype,
+                reshard_after_forward=self.reshard_after_forward and self.pipeline is None,
+                expert_mesh=self.parallel_mesh.expert_fsdp if ep > 1 else None,
+            )
+        if self.pipeline is not None:
+            record_step(model, "fsdp")
 
     def materialize(self, model: nn.Module, seed: int) -> None:
         """Allocate meta tensors on the device and run the model's own init (the only init)."""
+        if self.pipeline is not None:
+            self.pipeline.materialize(model, self.root_device, seed)
+            return
         model.to_empty(device=self.root_device)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
@@ -240,6 +285,11 @@ class KempnerStrategy(ModelParallelStrategy):
             raise TypeError(f"KempnerStrategy needs a DCPCheckpointIO (or a subclass), got {type(io).__name__}.")
         if io is not None:
             self._checkpoint_io = io
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's sharded state, flattened per parameter FQN (loads under another pp degree)."""
+        assert self.model is not None
+        return optimizer_state(self.model, optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         """Every rank writes its shards and its own RNG / dataloader state; rank 0 writes metadata."""
@@ -279,3 +329,43 @@ class KempnerStrategy(ModelParallelStrategy):
         """Rank 0 deletes a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` rotation)."""
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
+
+    # -- pipeline parallelism (pp > 1) ------------------------------------------------------------
+
+    def _validate_pipeline(self, dims: ParallelDims, datamodule: Any) -> None:
+        """The pp rules that need the model and the data (see ``validate_pipeline_run``)."""
+        validate_pipeline_run(dims.pp, self.lightning_module, datamodule, **self.pp_options)
+
+    @property
+    def pp_group(self) -> Any:
+        """The pipeline process group when ``pp > 1`` (gradient norms are summed over it), else None."""
+        return self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With ``pp > 1``: the schedule runs forward and backward of every micro-batch here; the
+        returned loss (detached) goes through the module's normal step accounting and logging."""
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self.pipeline.training_step(self.lightning_module, args[0], args[1])
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """With ``pp > 1`` the schedule already ran the backward: only the hooks run (on_before/after_backward)."""
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.pipeline.restore_grads(self.lightning_module.model)  # the schedule's, set aside in training_step
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """With ``pp > 1``: a forward-only pipeline pass; the last stage's loss feeds ``val/loss`` and
+        ``val/ppl`` on every rank."""
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        batch = args[0]
+        loss_sum, n_targets = self.pipeline.eval_step(batch["input_ids"], batch["labels"])
+        update_validation_metrics(self.lightning_module, loss_sum, n_targets)
+        return None

@@ -21,6 +21,17 @@ from torch.optim import Optimizer
 
 from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
 
+#: Optimizer state is saved flattened (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), as in
+#: torchtitan: every key names one parameter, so ranks holding different parameters (pipeline stages)
+#: never write conflicting ``param_groups`` lists, and a checkpoint loads under another pp degree.
+OPTIMIZER_SAVE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+
+
+def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
+    """The flattened, sharded optimizer state dict written to DCP (see :data:`OPTIMIZER_SAVE_OPTIONS`)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
+    return get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_SAVE_OPTIONS)
+
 
 def load_model_and_optimizers(
     model: nn.Module, optimizers: list[Optimizer], path: Path, io: DCPCheckpointIO, strict: bool = True
@@ -32,13 +43,13 @@ def load_model_and_optimizers(
     Raises:
         RuntimeError: from DCP when a key is missing or a shape disagrees (``strict``), naming the key.
     """
-    options = StateDictOptions(strict=strict)
+    options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
     model_state = {"state_dict": get_model_state_dict(model)}
     io.load_sharded(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=options)
     for i, optimizer in enumerate(optimizers):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
         key = f"optimizer_{i}"
-        optim_state = {key: get_optimizer_state_dict(model, optimizer)}
+        optim_state = {key: get_optimizer_state_dict(model, optimizer, options=options)}
         io.load_sharded(optim_state, path)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key], options=options)

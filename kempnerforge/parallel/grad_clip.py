@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 #: Elements per fp32 partial norm on CPU (see :func:`_cpu_norm`).
@@ -47,12 +48,16 @@ def _group_norm(group: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([_cpu_norm(g) for g in group]))
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Global L2 norm of all gradients (a plain fp32 scalar tensor, identical on every rank).
 
     Args:
         parameters: parameters whose ``.grad`` may be plain tensors or DTensors on any meshes.
         norm_type: 2.0 only (the norms of separate meshes combine as an L2 sum).
+        pp_group: with pipeline parallelism, the ``pp`` group: each rank holds other stages' parameters,
+            so the squared norms are summed over it (every pp rank must call this).
 
     Raises:
         ValueError: ``norm_type`` other than 2.
@@ -60,18 +65,24 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     if norm_type != 2.0:
         raise ValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported.")
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    squares = []
+    squares = [torch.zeros((), device=grads[0].device if grads else "cpu")]
     for group in _group_by_mesh(grads).values():
         norm = _group_norm(group)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    return torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, grad_scale: float = 1.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    grad_scale: float = 1.0,
+    pp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Scale gradients by ``grad_scale``, then clip them to global L2 norm ``max_norm`` (0: no clipping).
 
     Both happen in one multiply per gradient: ``g *= grad_scale * min(1, max_norm / (norm + 1e-6))``
@@ -83,14 +94,15 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, grad_sc
         parameters: parameters with plain or DTensor ``.grad`` (None is skipped).
         max_norm: clip threshold on the scaled norm; 0 scales only.
         grad_scale: factor applied to every gradient before the norm is measured.
+        pp_group: the pipeline group when ``pp > 1`` (the norm covers every stage; see :func:`total_grad_norm`).
 
     Returns:
         The global norm of the scaled gradients before clipping (fp32 scalar tensor).
     """
     params = [p for p in parameters if p.grad is not None]
-    if not params:
+    if not params and pp_group is None:
         return torch.tensor(0.0)
-    norm = total_grad_norm(params) * grad_scale
+    norm = total_grad_norm(params, pp_group=pp_group) * grad_scale
     coef = torch.tensor(grad_scale, dtype=torch.float32)
     if max_norm > 0:
         coef = coef * torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -40,8 +40,6 @@ def validate_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int
         raise MeshConfigError(
             f"dp_shard={dp_shard!r} is not allowed: use an integer >= 1, or -1 to infer it from the world size."
         )
-    if pp > 1:
-        raise MeshConfigError(f"pp={pp} is not supported yet: pipeline parallelism is not implemented; use pp=1.")
     if cp > 1:
         raise MeshConfigError(
             f"cp={cp} is not supported: context parallelism is not implemented (and does not run on CPU); use cp=1."
@@ -146,6 +144,11 @@ class ParallelMesh:
         if self.dims.dp_replicate > 1:
             return self.world["dp_replicate", "dp_shard"]
         return self.world["dp_shard"]
+
+    @cached_property
+    def pp(self) -> DeviceMesh:
+        """1-D pipeline-parallel mesh (``pp`` axis): the ranks holding the stages of one model replica."""
+        return self.world["pp"]
 
     @cached_property
     def tp(self) -> DeviceMesh:

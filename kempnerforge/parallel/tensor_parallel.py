@@ -109,7 +109,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
 
     Args:
         model: a module with ``layers`` (``nn.ModuleDict`` / ``nn.ModuleList``) and ``tp_plan``; raw
-            modules (no AC / Float8 / FSDP wrappers yet).
+            modules (no AC / Float8 / FSDP wrappers yet). Root plan entries whose top-level module is
+            None (removed by pipeline-stage pruning) are skipped.
         tp_mesh: 1-D tensor-parallel DeviceMesh.
         sequence_parallel: shard the residual stream and norms along ``seq``.
         loss_parallel: keep the logits vocab-sharded (the loss must then run under ``loss_parallel()``,
@@ -124,6 +125,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     if not callable(getattr(model, "tp_plan", None)):
         raise TypeError(f"{type(model).__name__} declares no tp_plan(); tensor parallelism cannot be applied.")
     plan = model.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    # A pipeline stage's model holds None where another stage owns the module (embedding, norm, head;
+    # kempnerforge.parallel.pipeline.prune_to_stages): those root entries are skipped, not "unmatched".
+    pruned = {name for name, child in model._modules.items() if child is None}
+    plan.root = {k: v for k, v in plan.root.items() if k.split(".")[0] not in pruned}
     blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
     if not plan.root and not plan.block:
         raise ValueError(f"{type(model).__name__}.tp_plan() is empty: tensor parallelism would do nothing.")

@@ -39,16 +39,14 @@ def test_dp_shard_zero_refused():
         ParallelDims(dp_shard=0, world_size=1)
 
 
-@pytest.mark.parametrize(
-    ("field", "message"),
-    [
-        ("pp", "pipeline parallelism is not implemented"),
-        ("cp", "context parallelism is not implemented"),
-    ],
-)
-def test_unimplemented_axes_are_refused_not_ignored(field, message):
-    with pytest.raises(MeshConfigError, match=message):
-        ParallelDims(**{field: 2}, world_size=2)
+def test_unimplemented_axes_are_refused_not_ignored():
+    with pytest.raises(MeshConfigError, match="context parallelism is not implemented"):
+        ParallelDims(cp=2, world_size=2)
+
+
+def test_pp_takes_its_ranks_from_the_world():
+    dims = ParallelDims(pp=2, world_size=4)
+    assert (dims.dp_shard, dims.shape) == (2, (2, 1, 2, 1, 1))
 
 
 def test_ep_must_divide_dp_shard_and_excludes_dp_replicate():

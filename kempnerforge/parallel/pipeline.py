@@ -1,0 +1,273 @@
+"""Pipeline parallelism for the dense decoder: option checks, stage split, per-rank pruning, schedules.
+
+Follows torchtitan v0.2 (``distributed/pipeline_parallel.py`` and the Llama ``pipeline_llama``):
+the ``n_layers`` blocks are cut into ``pp * virtual_stages`` stages (balanced by layer count or at
+explicit split points), the token embedding lives on the first stage and the final norm + output
+head on the last. Each rank keeps only the modules of its own stages, with the full model's FQNs,
+so DCP checkpoints, the optimizer's parameter names and the HF export see the same keys at every
+pp degree. Schedules come from ``torch.distributed.pipelining`` by name (GPipe, arXiv:1811.06965;
+1F1B, PipeDream-Flush, arXiv:2006.09503; interleaved 1F1B, Megatron-LM arXiv:2104.04473; zero
+bubble, arXiv:2401.10241).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    _PipelineSchedule,
+)
+
+from kempnerforge.parallel.mesh import MeshConfigError
+
+#: Schedule name -> torch.distributed.pipelining class.
+SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+#: Schedules that run exactly one stage per rank.
+SINGLE_STAGE: frozenset[str] = frozenset({"gpipe", "1f1b"})
+#: Schedules whose two stages per rank are placed in a "V" (rank r holds stages r and 2*pp-1-r).
+V_SHAPED: frozenset[str] = frozenset({"zbv"})
+
+
+def validate_pipeline_options(
+    pp: int, schedule: str, microbatches: int | None, virtual_stages: int, split_points: Sequence[int] | None
+) -> None:
+    """Check the pipeline options on their own (no model, no world size needed).
+
+    Args:
+        pp: pipeline-parallel degree.
+        schedule: one of :data:`SCHEDULES`.
+        microbatches: micro-batches per step and data-parallel rank, or None (one per stage).
+        virtual_stages: stages per rank (1 for ``gpipe`` / ``1f1b``, exactly 2 for ``zbv``).
+        split_points: first layer index of every stage after the first, or None (balanced).
+
+    Raises:
+        MeshConfigError: an unknown schedule, a virtual-stage count the schedule cannot run,
+            ``microbatches`` < 1, malformed split points, or any pipeline option set with ``pp=1``.
+    """
+    if schedule not in SCHEDULES:
+        raise MeshConfigError(f"pp_schedule={schedule!r} is not allowed; choose one of {sorted(SCHEDULES)}.")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise MeshConfigError(f"pp_virtual_stages={virtual_stages!r} must be an integer >= 1.")
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise MeshConfigError(f"pp_microbatches={microbatches!r} must be an integer >= 1 (or null: one per stage).")
+    if pp == 1:
+        if virtual_stages != 1 or microbatches is not None or split_points is not None:
+            raise MeshConfigError(
+                "pp_virtual_stages, pp_microbatches and pp_split_points only apply with pp > 1; "
+                f"got pp=1 with pp_virtual_stages={virtual_stages}, pp_microbatches={microbatches}, "
+                f"pp_split_points={split_points}."
+            )
+        return
+    if schedule in SINGLE_STAGE and virtual_stages != 1:
+        raise MeshConfigError(
+            f"pp_schedule={schedule!r} runs one stage per rank: pp_virtual_stages must be 1, got {virtual_stages} "
+            "(use interleaved_1f1b or zero_bubble for several)."
+        )
+    if schedule in V_SHAPED and virtual_stages != 2:
+        raise MeshConfigError(f"pp_schedule={schedule!r} needs pp_virtual_stages=2, got {virtual_stages}.")
+    if split_points is not None:
+        points = list(split_points)
+        n_stages = pp * virtual_stages
+        if len(points) != n_stages - 1 or any(not isinstance(p, int) for p in points):
+            raise MeshConfigError(
+                f"pp_split_points={points} must list {n_stages - 1} layer indices (one per stage boundary of "
+                f"pp*pp_virtual_stages = {pp}*{virtual_stages} = {n_stages} stages)."
+            )
+        if points != sorted(set(points)) or points[0] < 1:
+            raise MeshConfigError(f"pp_split_points={points} must be strictly increasing layer indices >= 1.")
+
+
+def validate_pipeline_model(
+    pp: int,
+    virtual_stages: int,
+    split_points: Sequence[int] | None,
+    *,
+    n_layers: int,
+    num_experts: int,
+    tie_embeddings: bool,
+    is_vlm: bool,
+) -> None:
+    """Check the pipeline against the model, before anything is allocated (no-op for ``pp=1``).
+
+    Raises:
+        MeshConfigError: more stages than layers, a split point at or past ``n_layers``, an MoE model
+            (``num_experts > 0``), tied embeddings (embedding and head would sit on different stages),
+            or a vision-language model.
+    """
+    if pp == 1:
+        return
+    n_stages = pp * virtual_stages
+    if n_stages > n_layers:
+        raise MeshConfigError(
+            f"pp*pp_virtual_stages = {pp}*{virtual_stages} = {n_stages} stages exceeds n_layers={n_layers}: "
+            f"every stage needs at least one block; use at most {n_layers} stages."
+        )
+    if split_points is not None and max(split_points) >= n_layers:
+        raise MeshConfigError(f"pp_split_points={list(split_points)} must be < n_layers={n_layers}.")
+    if num_experts > 0:
+        raise MeshConfigError(
+            f"pp={pp} with num_experts={num_experts} is not supported: pipeline parallelism covers dense "
+            "models only; use pp=1 (and ep for MoE)."
+        )
+    if tie_embeddings:
+        raise MeshConfigError(
+            f"pp={pp} with tie_embeddings=true is not supported: the embedding (first stage) and the output "
+            "head (last stage) would share one weight across stages; set model.config.tie_embeddings=false."
+        )
+    if is_vlm:
+        raise MeshConfigError(f"pp={pp} is not supported for vision-language models; use pp=1.")
+
+
+def is_vision_language(module: object) -> bool:
+    """True when a LightningModule carries a :class:`~kempnerforge.config.vlm.VLMConfig` (a VLM) or its
+    ``config`` is not the dense decoder's :class:`~kempnerforge.config.model.ModelConfig`."""
+    from kempnerforge.config.model import ModelConfig
+    from kempnerforge.config.vlm import VLMConfig
+
+    if not isinstance(getattr(module, "config", None), ModelConfig):
+        return True
+    return any(isinstance(v, VLMConfig) for v in vars(module).values())
+
+
+def validate_pipeline_run(
+    pp: int,
+    module: object,
+    datamodule: object,
+    *,
+    schedule: str,
+    microbatches: int | None,
+    virtual_stages: int,
+    split_points: Sequence[int] | None,
+) -> None:
+    """The pp rules that need the LightningModule and the datamodule (no-op for ``pp=1``).
+
+    Checks :func:`validate_pipeline_model` on ``module.config``, refuses loss options the last stage
+    does not compute (the module's ``loss_chunk_size`` / ``z_loss_weight``, the data's
+    ``document_masking``), and checks the micro-batch count against ``datamodule.micro_batch_size``
+    (:func:`validate_microbatches`).
+
+    Raises:
+        MeshConfigError: naming the field, as above.
+    """
+    if pp == 1:
+        return
+    cfg = module.config
+    validate_pipeline_model(
+        pp,
+        virtual_stages,
+        split_points,
+        n_layers=cfg.n_layers,
+        num_experts=cfg.num_experts,
+        tie_embeddings=cfg.tie_embeddings,
+        is_vlm=is_vision_language(module),
+    )
+    for field, value in (
+        ("model.loss_chunk_size", getattr(module, "loss_chunk_size", 0)),
+        ("model.z_loss_weight", getattr(module, "z_loss_weight", 0.0)),
+        ("data.document_masking", getattr(datamodule, "document_masking", False)),
+    ):
+        if value:
+            raise MeshConfigError(f"{field}={value} is not supported with pp={pp}; turn it off or use pp=1.")
+    n_micro = resolve_microbatches(microbatches, pp, virtual_stages)
+    validate_microbatches(getattr(datamodule, "micro_batch_size", None), n_micro, pp, schedule)
+
+
+def resolve_microbatches(microbatches: int | None, pp: int, virtual_stages: int) -> int:
+    """Micro-batches per step: ``microbatches`` or, when None, one per stage (``pp * virtual_stages``)."""
+    return microbatches if microbatches is not None else pp * virtual_stages
+
+
+def validate_microbatches(micro_batch_size: int | None, microbatches: int, pp: int, schedule: str) -> None:
+    """Check the micro-batch count against the per-rank batch and the schedule.
+
+    Args:
+        micro_batch_size: sequences per data-parallel rank and step (the datamodule's ``micro_batch_size``),
+            or None when unknown (only the schedule rule is checked).
+        microbatches: pipeline micro-batches per step.
+        pp: pipeline-parallel degree.
+        schedule: one of :data:`SCHEDULES`.
+
+    Raises:
+        MeshConfigError: ``microbatches`` does not divide ``micro_batch_size``; fewer micro-batches than
+            ranks for ``1f1b`` / ``zbv``; not a multiple of ``pp`` for ``interleaved_1f1b`` / ``zero_bubble``.
+    """
+    if micro_batch_size is not None and micro_batch_size % microbatches:
+        allowed = [d for d in range(1, micro_batch_size + 1) if micro_batch_size % d == 0]
+        raise MeshConfigError(
+            f"pp_microbatches={microbatches} must divide data.micro_batch_size={micro_batch_size}; allowed: {allowed}."
+        )
+    if schedule in ("1f1b", "zbv") and microbatches < pp:
+        raise MeshConfigError(f"pp_schedule={schedule!r} needs pp_microbatches >= pp={pp}, got {microbatches}.")
+    if schedule in ("interleaved_1f1b", "zero_bubble") and microbatches % pp:
+        raise MeshConfigError(
+            f"pp_schedule={schedule!r} needs pp_microbatches to be a multiple of pp={pp}, got {microbatches}."
+        )
+
+
+def stage_layer_ranges(n_layers: int, n_stages: int, split_points: Sequence[int] | None = None) -> list[range]:
+    """Block indices of every stage, in stage order.
+
+    Balanced (``split_points=None``): ``n_layers // n_stages`` blocks each, the first
+    ``n_layers % n_stages`` stages one more. Otherwise stage ``i`` starts at ``split_points[i-1]``.
+
+    Example: ``stage_layer_ranges(5, 2) == [range(0, 3), range(3, 5)]``.
+    """
+    if split_points is None:
+        base, extra = divmod(n_layers, n_stages)
+        sizes = [base + (1 if i < extra else 0) for i in range(n_stages)]
+        starts = [sum(sizes[:i]) for i in range(n_stages)]
+    else:
+        starts = [0, *split_points]
+    ends = [*starts[1:], n_layers]
+    return [range(s, e) for s, e in zip(starts, ends, strict=True)]
+
+
+def stage_ids(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """Stage indices held by ``pp_rank``: looped (``r, r + pp, ...``) or, for V-shaped schedules, ``r, 2pp-1-r``."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def prune_to_stages(model: nn.Module, ranges: list[range], ids: list[int]) -> None:
+    """Delete, in place, every module of ``model`` that none of the stages ``ids`` needs.
+
+    ``model`` (on the meta device, before any transform) keeps its blocks ``layers.{i}`` of those
+    stages under their original names, ``tok_embeddings`` only with stage 0, and ``norm`` + ``output``
+    only with the last stage; the others become None. FQNs are unchanged, so state dicts of all ranks
+    together are the full model's.
+    """
+    keep = {str(i) for s in ids for i in ranges[s]}
+    for name in [n for n in model.layers if n not in keep]:
+        del model.layers[name]
+    if 0 not in ids:
+        model.tok_embeddings = None
+    if len(ranges) - 1 not in ids:
+        model.norm = None
+        model.output = None
+
+
+def build_schedule(name: str, stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> _PipelineSchedule:
+    """The ``torch.distributed.pipelining`` schedule ``name`` over this rank's ``stages``.
+
+    ``scale_grads=False``: ``loss_fn`` returns summed (not averaged) token losses, and the step's
+    gradients are normalized once by the global target-token count
+    (:class:`kempnerforge.training.loss.StepTokenNormalizer`), exactly as without pipelining.
+    """
+    cls = SCHEDULES[name]
+    if name in SINGLE_STAGE:
+        return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)

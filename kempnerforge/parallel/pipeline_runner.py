@@ -1,0 +1,221 @@
+"""This rank's pipeline: pruning, stage modules, materialization, the schedule, one training step.
+
+Used by :class:`kempnerforge.strategies.KempnerStrategy` when ``pp > 1``; the pure pieces (split,
+validation, schedule table) are in :mod:`kempnerforge.parallel.pipeline`. Composition follows
+torchtitan v0.2 ``pipeline_llama``: prune the meta model to this rank's stages, run the TP -> FP8 ->
+AC -> compile chain on it, then FSDP2 per stage (``reshard_after_forward=False``: every stage's
+parameters are reused by every micro-batch), materialize, build ``PipelineStage`` s and the schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+
+from kempnerforge.model.transformer import Transformer
+from kempnerforge.parallel.mesh import MeshConfigError
+from kempnerforge.parallel.pipeline import (
+    build_schedule,
+    prune_to_stages,
+    resolve_microbatches,
+    stage_ids,
+    stage_layer_ranges,
+)
+from kempnerforge.parallel.pipeline_stage import DecoderStage
+from kempnerforge.training.loss import IGNORE_INDEX, token_cross_entropy_sum
+
+
+class PipelineRunner:
+    """Owns this rank's stages and schedule.
+
+    Args:
+        pp_mesh: 1-D ``pp`` mesh (``ParallelMesh.world["pp"]``).
+        n_layers: blocks of the full model.
+        schedule: a name from :data:`kempnerforge.parallel.pipeline.SCHEDULES`.
+        microbatches: micro-batches per step (None: one per stage).
+        virtual_stages: stages per rank.
+        split_points: explicit stage boundaries, or None (balanced by layer count).
+
+    Call order: :meth:`prune` (meta model) -> the transform chain on the pruned model ->
+    :meth:`make_stages` (the FSDP2 units) -> :meth:`materialize` -> :meth:`build` -> :meth:`train_step`.
+    """
+
+    def __init__(
+        self,
+        pp_mesh: DeviceMesh,
+        n_layers: int,
+        schedule: str,
+        microbatches: int | None,
+        virtual_stages: int,
+        split_points: Sequence[int] | None,
+    ) -> None:
+        self.pp_mesh = pp_mesh
+        self.pp = pp_mesh.size()
+        self.schedule_name = schedule
+        self.microbatches = resolve_microbatches(microbatches, self.pp, virtual_stages)
+        self.ranges = stage_layer_ranges(n_layers, self.pp * virtual_stages, split_points)
+        self.ids = stage_ids(pp_mesh.get_local_rank(), self.pp, virtual_stages, schedule)
+        self.n_stages = len(self.ranges)
+        self.stage_modules: list[DecoderStage] = []
+        self.schedule = None
+        self._sums: list[torch.Tensor] = []
+        self._scale = 1.0
+        self._grads: list[torch.Tensor | None] = []
+
+    @property
+    def has_first(self) -> bool:
+        """This rank holds stage 0 (feeds the token ids)."""
+        return 0 in self.ids
+
+    @property
+    def has_last(self) -> bool:
+        """This rank holds the last stage (computes the loss)."""
+        return self.n_stages - 1 in self.ids
+
+    def prune(self, model: nn.Module) -> None:
+        """Drop every module of ``model`` (meta) that this rank's stages do not hold.
+
+        Raises:
+            MeshConfigError: ``model`` is not the dense :class:`~kempnerforge.model.Transformer`.
+        """
+        if type(model) is not Transformer:
+            raise MeshConfigError(
+                f"pp={self.pp} supports the dense decoder (kempnerforge.model.Transformer) only, "
+                f"not {type(model).__name__}; use pp=1."
+            )
+        prune_to_stages(model, self.ranges, self.ids)
+
+    def make_stages(self, model: nn.Module) -> list[DecoderStage]:
+        """One :class:`DecoderStage` per local stage over the (transformed) pruned model: the FSDP2 units."""
+        self.stage_modules = [
+            DecoderStage(model, self.ranges[s], first=s == 0, last=s == self.n_stages - 1) for s in self.ids
+        ]
+        return self.stage_modules
+
+    def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
+        """Allocate the meta tensors on ``device`` and run ``model.init_weights(seed)`` (per-FQN seeds,
+        so the weights equal the unsplit model's).
+
+        FSDP2 stages are materialized through their own ``to_empty`` (FSDP2 re-registers its sharded
+        parameters there); what remains on meta (RoPE buffers, unsharded stages) is allocated in place.
+        """
+        for stage in self.stage_modules:
+            if isinstance(stage, FSDPModule):
+                stage.to_empty(device=device)
+        for module in model.modules():
+            for store in (module._parameters, module._buffers):
+                for name, t in store.items():
+                    if t is not None and t.is_meta:
+                        new = torch.empty_like(t, device=device)
+                        store[name] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+        with torch.no_grad():
+            model.init_weights(seed=seed)
+
+    def build(self, device: torch.device) -> None:
+        """Create the ``PipelineStage`` s (shapes inferred at the first step) and the schedule."""
+        group = self.pp_mesh.get_group()
+        stages = [
+            PipelineStage(mod, s, self.n_stages, device, group=group)
+            for mod, s in zip(self.stage_modules, self.ids, strict=True)
+        ]
+        self.schedule = build_schedule(self.schedule_name, stages, self.microbatches, self._loss_fn)
+
+    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss_sum, _ = token_cross_entropy_sum(logits, labels)
+        self._sums.append(loss_sum.detach())
+        return loss_sum * self._scale
+
+    def _reduced_sum(self, device: torch.device) -> torch.Tensor:
+        """This step's summed token loss from the last stage, the same on every pp rank (fp32 scalar)."""
+        # The first step's shape inference calls the loss once more on its own: keep the micro-batches' losses.
+        sums = self._sums[-self.microbatches :]
+        total = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
+        self._sums = []
+        dist.all_reduce(total, group=self.pp_mesh.get_group())  # other ranks add exact zeros
+        return total
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch through the schedule.
+
+        Args:
+            input_ids: ``(batch, seq)`` int64, identical on every pp rank of a data shard.
+            labels: ``(batch, seq)`` int64 (``-100`` ignored).
+            loss_scale: factor on each micro-batch's summed token loss before its backward
+                (``dp_size / accumulate_grad_batches``: the step's gradients are normalized afterwards
+                by :class:`kempnerforge.training.loss.StepTokenNormalizer`).
+
+        Returns:
+            The summed (un-normalized) token loss of the whole batch (fp32 scalar, detached), the same
+            on every pp rank.
+        """
+        self._scale = loss_scale
+        self._run(self.schedule.step, input_ids, labels)
+        return self._reduced_sum(input_ids.device)
+
+    def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """``CausalLM.training_step`` for a pipeline: the schedule's forward + backward, then the module's
+        step accounting (token normalization, logging) with the last stage's loss.
+
+        Lightning zeroes gradients between ``training_step`` and ``backward`` (first micro-batch of an
+        accumulation window), so the gradients are zeroed here instead at that point and set aside
+        until :meth:`restore_grads` (called from the strategy's ``backward``).
+
+        Returns:
+            The module's detached step loss (the backward already ran).
+        """
+        accumulate = module.trainer.accumulate_grad_batches
+        params = list(module.model.parameters())
+        if batch_idx % accumulate == 0:  # a new optimizer step
+            for p in params:
+                p.grad = None
+        scale = module._dp_size() / accumulate  # what Lightning's backward of the returned loss would apply
+        loss_sum = self.train_step(batch["input_ids"], batch["labels"], scale)
+        self._grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        n_targets = (batch["labels"] != IGNORE_INDEX).sum()
+        return module._record_step(batch, batch_idx, loss_sum, n_targets)
+
+    def restore_grads(self, model: nn.Module) -> None:
+        """Give ``model``'s parameters back the gradients :meth:`training_step` set aside."""
+        for p, grad in zip(model.parameters(), self._grads, strict=True):
+            p.grad = grad
+        self._grads = []
+
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only; returns ``(loss_sum, n_targets)`` of the batch (fp32 / int64 scalars, every pp rank)."""
+        with torch.no_grad():
+            self._run(self.schedule.eval, input_ids, labels)
+        return self._reduced_sum(input_ids.device), (labels != IGNORE_INDEX).sum()
+
+    def _run(self, fn, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        self._sums = []
+        target = labels if self.has_last else None
+        args = (input_ids,) if self.has_first else ()
+        kwargs = {"return_outputs": False} if fn == self.schedule.step else {}
+        fn(*args, target=target, **kwargs)
+
+
+def update_validation_metrics(module: object, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:
+    """Feed a pipelined validation batch into ``CausalLM``'s ``val_loss`` / ``val_ppl`` and log them.
+
+    ``val_ppl`` (torchmetrics ``Perplexity``) accumulates the summed negative log-likelihood and the
+    token count, which is exactly the pipeline's ``loss_sum`` and ``n_targets``; the result equals an
+    unsplit model's ``validation_step`` (which needs the logits, here only on the last stage).
+    """
+    n = n_targets.to(loss_sum.dtype)
+    module.val_loss.update(loss_sum / n.clamp(min=1), weight=n)
+    module.val_ppl.total_log_probs += loss_sum.to(module.val_ppl.total_log_probs.dtype)
+    module.val_ppl.count += n_targets.to(module.val_ppl.count.dtype)
+    # What Metric.update's wrapper records, so compute() and the cross-rank sync see an updated metric.
+    module.val_ppl._update_count += 1
+    module.val_ppl._computed = None
+    module.log("val/loss", module.val_loss, prog_bar=True)
+    module.log("val/ppl", module.val_ppl)

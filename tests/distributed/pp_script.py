@@ -1,0 +1,125 @@
+"""Pipeline-parallel training runs for the distributed tests, several per launch (each launch costs ~10 s).
+
+``--runs`` lists runs as ``name:key=value,...`` (keys: pp, schedule, v, mb, steps, ckpt_every, resume,
+micro_batch, dp_shard, val_batches, ac, tp, sp, acc = accumulate_grad_batches). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
+writes ``{name: {"losses": [...], "grad_norms": [...], "steps": [...]}}`` to ``--out``. Checkpoints go
+to ``<--ckpt-root>/<name>``; ``resume=<other name>/<checkpoint dir>`` resumes from another run's save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.module import CausalLM
+from kempnerforge.strategies import KempnerStrategy
+from kempnerforge.training.lr import SchedulerConfig
+from kempnerforge.training.optimizers import OptimizerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* under torchrun
+from tests.distributed.train_script import Recorder, tiny_config  # noqa: E402
+
+INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches", "tp", "sp", "acc")
+
+
+class StepRecorder(Recorder):
+    """:class:`Recorder` at optimizer-step ends only (with gradient accumulation)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+def parse_run(spec: str) -> tuple[str, dict]:
+    """``"a:pp=2,schedule=gpipe"`` -> ``("a", {"pp": 2, "schedule": "gpipe"})``."""
+    name, _, rest = spec.partition(":")
+    opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return name, {k: int(v) if k in INT_KEYS else v for k, v in opts.items()}
+
+
+def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
+    """One fit; returns the recorded losses, grad norms and global steps (all ranks see the same)."""
+    seed_everything(0, workers=True)
+    pp = opts.get("pp", 1)
+    module = CausalLM(
+        config=dataclasses.replace(tiny_config(), n_layers=4),
+        optimizer=OptimizerConfig(lr=3e-3),
+        scheduler=SchedulerConfig(warmup_steps=2, total_steps=20),
+        grad_clip=float(opts.get("clip", 1.0)),
+    )
+    datamodule = TokenDataModule(
+        data_dir=data, seq_len=32, micro_batch_size=opts.get("micro_batch", 8), val_fraction=0.1, seed=0
+    )
+    pp_kwargs = {}
+    if pp > 1:
+        pp_kwargs = {"pp_schedule": opts.get("schedule", "1f1b"), "pp_virtual_stages": opts.get("v", 1)}
+        pp_kwargs["pp_microbatches"] = opts.get("mb")
+    recorder = StepRecorder()
+    callbacks = [recorder]
+    if opts.get("ckpt_every"):
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_root / name,
+                filename="step={step:04d}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=opts["ckpt_every"],
+                save_top_k=-1,
+            )
+        )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=KempnerStrategy(
+            pp=pp,
+            dp_shard=opts.get("dp_shard", -1),
+            tp=opts.get("tp", 1),
+            sequence_parallel=opts.get("sp", 0) == 1,
+            activation_checkpointing=opts.get("ac", "none"),
+            **pp_kwargs,
+        ),
+        max_steps=opts.get("steps", 5),
+        accumulate_grad_batches=opts.get("acc", 1),
+        limit_val_batches=opts.get("val_batches", 0),
+        val_check_interval=opts.get("steps", 5),
+        logger=False,
+        enable_checkpointing="ckpt_every" in opts,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    resume = ckpt_root / opts["resume"] if "resume" in opts else None
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    record = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "steps": recorder.steps}
+    if "val/loss" in trainer.callback_metrics:
+        record["val_loss"] = float(trainer.callback_metrics["val/loss"])
+        record["val_ppl"] = float(trainer.callback_metrics["val/ppl"])
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--ckpt-root", required=True)
+    p.add_argument("--runs", nargs="+", required=True)
+    args = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    records = {}
+    for spec in args.runs:
+        name, opts = parse_run(spec)
+        records[name] = run(name, opts, args.data, Path(args.ckpt_root))
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()
