@@ -100,7 +100,7 @@ def main() -> None:
         grad_clip=1.0,
     )
     data = TokenDataModule(
-        data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch, val_fraction=0.1, seed=0
+        data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch, val_fraction=0.1, data_seed=0
     )
     recorder = Recorder()
     callbacks = [recorder]
