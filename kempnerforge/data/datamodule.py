@@ -147,7 +147,10 @@ class TokenDataModule(L.LightningDataModule):
             return
         fingerprint = source_fingerprint(self.source, self.tokenizer, self.text_field)
         if (root / METADATA_FILE).is_file():
-            saved = json.loads((root / METADATA_FILE).read_text()).get("fingerprint")
+            try:
+                saved = json.loads((root / METADATA_FILE).read_text()).get("fingerprint")
+            except (json.JSONDecodeError, AttributeError):
+                saved = None  # unreadable metadata: treat as outdated, prepare again
             if saved == fingerprint:
                 return
             rank_zero_warn(
