@@ -4,6 +4,8 @@
   ``shard_NNNNN.npy`` + ``metadata.json``.
 - :class:`MemmapTokenDataset`: ``(seq_len + 1)``-token windows over the shards.
 - :class:`TokenDataModule`: train/val split, resumable data-parallel sampling.
+- :class:`StreamingTokenDataModule` / :class:`PackedTokenStream`: a local Hugging Face dataset read with
+  ``streaming=True``, tokenized on the fly, packed, sharded over ranks and workers, exactly resumable.
 
 Names are imported on first use, so ``kforge prepare-data`` does not pay for importing Lightning.
 """
@@ -17,6 +19,9 @@ _EXPORTS = {
     "read_metadata": "memmap",
     "ResumableDistributedSampler": "datamodule",
     "TokenDataModule": "datamodule",
+    "PackedTokenStream": "hf_dataset",
+    "load_local_dataset": "hf_dataset",
+    "StreamingTokenDataModule": "streaming",
     "load_tokenizer": "prepare",
     "prepare_data": "prepare",
     "prepare_main": "prepare",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
@@ -62,11 +64,16 @@ class TokenDataModule(L.LightningDataModule):
         val_fraction: share of windows held out for validation, in [0, 1); 0 disables
             validation. At least one window goes to each split when > 0.
         num_workers: DataLoader worker processes per rank (0 loads in the main process).
-        seed: seed of the per-epoch shuffling (epoch ``e`` uses ``seed + e``).
+        data_seed: seed of the per-epoch shuffling (epoch ``e`` uses ``data_seed + e``); separate from
+            the model's ``init_seed`` and Lightning's ``seed_everything``, so the data order can be varied
+            with the same initialization and vice versa.
         vocab_size: the model's vocabulary size; token ids and the tokenizer's ``vocab_size`` are
             checked against it. None checks against the tokenizer's own ``vocab_size``.
-        source: text to tokenize into ``data_dir`` when it holds no ``metadata.json`` yet (any
-            source :func:`prepare_data` accepts); needs ``tokenizer``.
+        source: text to tokenize into ``data_dir`` (any source :func:`prepare_data` accepts: a local
+            file or folder, or a ``datasets.load_dataset`` spec dict such as
+            ``{"path": "parquet", "data_files": "corpus/*.parquet"}``); needs ``tokenizer``. Tokenized once:
+            later runs reuse the shards while source files (size, mtime), tokenizer and ``text_field`` are
+            unchanged, and re-tokenize (with a warning) when any of them changed.
         tokenizer: local tokenizer directory used with ``source``.
         text_field: column holding the text for json/parquet/save_to_disk sources.
         document_masking: pack documents with per-document causal attention: batches carry
@@ -87,9 +94,9 @@ class TokenDataModule(L.LightningDataModule):
         micro_batch_size: int = 8,
         val_fraction: float = 0.05,
         num_workers: int = 0,
-        seed: int = 0,
+        data_seed: int = 0,
         vocab_size: int | None = None,
-        source: str | None = None,
+        source: str | dict[str, Any] | None = None,
         tokenizer: str | None = None,
         text_field: str = "text",
         document_masking: bool = False,
@@ -106,10 +113,10 @@ class TokenDataModule(L.LightningDataModule):
             raise ValueError("source and tokenizer go together: give both (to prepare data_dir) or neither")
         self.save_hyperparameters()
         self.data_dir, self.seq_len, self.micro_batch_size = data_dir, seq_len, micro_batch_size
-        self.val_fraction, self.num_workers, self.seed, self.vocab_size = (
+        self.val_fraction, self.num_workers, self.data_seed, self.vocab_size = (
             val_fraction,
             num_workers,
-            seed,
+            data_seed,
             vocab_size,
         )
         self.source, self.tokenizer, self.text_field = source, tokenizer, text_field
@@ -125,14 +132,31 @@ class TokenDataModule(L.LightningDataModule):
         return self.micro_batch_size * self.seq_len
 
     def prepare_data(self) -> None:
-        """Tokenizes ``source`` into ``data_dir`` if it has no ``metadata.json`` (rank 0 only).
+        """Tokenizes ``source`` into ``data_dir`` unless a preparation of the same inputs is there (rank 0 only).
 
-        Leftover shards of an interrupted preparation are replaced; any other file in
-        ``data_dir`` makes :func:`prepare_data` refuse rather than mix data.
+        The shards are reused when ``metadata.json`` records the same fingerprint (source files, tokenizer,
+        ``text_field``: :func:`~kempnerforge.data.hf_dataset.source_fingerprint`); a changed input is
+        re-tokenized with a warning, never silently reused. Leftover shards of an interrupted or outdated
+        preparation are replaced; any other file in ``data_dir`` makes :func:`prepare_data` refuse rather
+        than mix data.
         """
+        from kempnerforge.data.hf_dataset import source_fingerprint
+
         root = Path(self.data_dir)
-        if (root / METADATA_FILE).is_file() or self.source is None:
+        if self.source is None:
             return
+        fingerprint = source_fingerprint(self.source, self.tokenizer, self.text_field)
+        if (root / METADATA_FILE).is_file():
+            try:
+                saved = json.loads((root / METADATA_FILE).read_text()).get("fingerprint")
+            except (json.JSONDecodeError, AttributeError):
+                saved = None  # unreadable metadata: treat as outdated, prepare again
+            if saved == fingerprint:
+                return
+            rank_zero_warn(
+                f"data_dir {self.data_dir!r} was prepared from other inputs (source, tokenizer or text_field "
+                "changed since): tokenizing again"
+            )
         leftovers_only = root.is_dir() and all(is_prepare_artifact(p.name) for p in root.iterdir())
         _prepare_shards(
             self.source, self.tokenizer, self.data_dir, text_field=self.text_field, overwrite=leftovers_only
@@ -140,11 +164,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def dp_rank_and_size(self) -> tuple[int, int]:
         """``(rank, num_replicas)`` of this process on the data-parallel axis; ``(0, 1)`` alone."""
-        strategy = getattr(self.trainer, "strategy", None)
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
-        if not kwargs or kwargs.get("num_replicas", 1) <= 1:
-            return 0, 1
-        return int(kwargs["rank"]), int(kwargs["num_replicas"])
+        return dp_rank_and_size(getattr(self, "trainer", None))
 
     def setup(self, stage: str | None = None) -> None:
         """Opens the shards and splits train/val windows; idempotent.
@@ -180,7 +200,7 @@ class TokenDataModule(L.LightningDataModule):
         # drop_last in the sampler keeps every rank at the same number of steps; validation pads
         # instead (a few windows counted twice) so no held-out window is skipped.
         sampler = ResumableDistributedSampler(
-            dataset, num_replicas=dp, rank=rank, shuffle=train, seed=self.seed, drop_last=train
+            dataset, num_replicas=dp, rank=rank, shuffle=train, seed=self.data_seed, drop_last=train
         )
         return StatefulDataLoader(
             dataset,
@@ -201,6 +221,19 @@ class TokenDataModule(L.LightningDataModule):
         """In-order loader over the held-out windows; ``[]`` (no validation) when val_fraction is 0."""
         self.setup("validate")
         return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
+
+
+def dp_rank_and_size(trainer: Any) -> tuple[int, int]:
+    """``(rank, num_replicas)`` on the data-parallel axis from ``trainer.strategy.distributed_sampler_kwargs``.
+
+    ``(0, 1)`` without a trainer or with one replica. The strategy reports the data-parallel sub-mesh
+    there, so tensor/context-parallel peers share a rank and see identical batches.
+    """
+    strategy = getattr(trainer, "strategy", None)
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) if strategy is not None else None
+    if not kwargs or kwargs.get("num_replicas", 1) <= 1:
+        return 0, 1
+    return int(kwargs["rank"]), int(kwargs["num_replicas"])
 
 
 def _check_positive(**values: int) -> None:

@@ -236,17 +236,23 @@ def _load_files(builder: str, files: list[Path]) -> Any:
 
 
 def iter_source(
-    source: str | os.PathLike, text_field: str, chunk_chars: int, batch_size: int
+    source: str | os.PathLike | dict[str, Any], text_field: str, chunk_chars: int, batch_size: int
 ) -> tuple[Iterator[tuple[str, bool]], int | None]:
     """Opens ``source`` and returns ``(pieces, num_documents or None)``.
 
     Accepted: a ``.txt`` file; a ``.json``/``.jsonl``/``.parquet`` file; a ``save_to_disk``
-    folder; a folder of ``.txt`` files or of json/jsonl or parquet files (recursive, sorted).
+    folder; a folder of ``.txt`` files or of json/jsonl or parquet files (recursive, sorted); a dict of
+    ``datasets.load_dataset`` arguments naming local data (one document per row; see
+    :func:`~kempnerforge.data.hf_dataset.check_dataset_spec`).
 
     Raises:
         FileNotFoundError: ``source`` does not exist.
-        ValueError: unsupported suffix, empty folder, or mixed formats in one folder.
+        ValueError: unsupported suffix, empty folder, mixed formats in one folder, or a non-local spec.
     """
+    if isinstance(source, dict):
+        from kempnerforge.data.hf_dataset import load_local_dataset
+
+        return _iter_hf_text(load_local_dataset(source, streaming=True), text_field, repr(source), batch_size), None
     path = Path(source).expanduser().resolve()
     if not path.exists():
         raise FileNotFoundError(f"source: {str(source)!r} does not exist")
@@ -405,7 +411,7 @@ def _encode_pieces(
 
 
 def prepare_data(
-    source: str,
+    source: str | dict[str, Any],
     tokenizer: str,
     output_dir: str,
     text_field: str = "text",
@@ -426,7 +432,9 @@ def prepare_data(
     Args:
         source: a ``.txt`` file (one document), a folder of ``.txt`` files (one document each,
             sorted by path), a ``.json``/``.jsonl``/``.parquet`` file or a folder of them (one
-            document per row), or a ``datasets.save_to_disk`` folder.
+            document per row), a ``datasets.save_to_disk`` folder, or a dict of local
+            ``datasets.load_dataset`` arguments (``{"path": "parquet", "data_files": "x/*.parquet"}``; one
+            document per row; read streaming, so no Arrow copy lands in the HF cache).
         tokenizer: local tokenizer directory (``tokenizer.json``, else anything
             ``transformers.AutoTokenizer`` loads offline). Never fetched from the Hub.
         output_dir: folder for the shards and ``metadata.json``; created if missing.
@@ -443,7 +451,9 @@ def prepare_data(
     Returns:
         The metadata written to ``metadata.json``: ``tokenizer``, ``vocab_size``, ``dtype``,
         ``num_tokens``, ``eos_id``, ``shards`` (``[{"file", "num_tokens"}]``), ``source``,
-        ``text_field``, ``num_documents``, ``num_empty_documents`` (skipped), ``max_token_id``.
+        ``text_field``, ``num_documents``, ``num_empty_documents`` (skipped), ``max_token_id``,
+        ``fingerprint`` (:func:`~kempnerforge.data.hf_dataset.source_fingerprint` of source, tokenizer and
+        ``text_field``, taken before reading; ``TokenDataModule`` reuses the shards while it matches).
 
     Raises:
         FileNotFoundError: ``source`` or ``tokenizer`` does not exist.
@@ -458,7 +468,10 @@ def prepare_data(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value}")
+    from kempnerforge.data.hf_dataset import source_fingerprint
+
     tok = load_tokenizer(tokenizer)
+    fingerprint = source_fingerprint(source, tokenizer, text_field)
     pieces, num_docs = iter_source(source, text_field, text_chunk_chars, batch_size)
     out = Path(output_dir).expanduser().resolve()
     _prepare_output_dir(out, overwrite)
@@ -478,9 +491,10 @@ def prepare_data(
         "num_tokens": writer.num_tokens,
         "eos_id": tok.eos_id,
         "shards": shards,
-        "source": str(Path(source).expanduser().resolve()),
+        "source": source if isinstance(source, dict) else str(Path(source).expanduser().resolve()),
         "text_field": text_field,
         **stats,
+        "fingerprint": fingerprint,
     }
     _atomic_write(out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode()))
     return metadata

@@ -52,7 +52,7 @@ def main() -> None:
         scheduler=SchedulerConfig(warmup_steps=0, decay="constant"),
         grad_clip=1.0,
     )
-    data = TokenDataModule(data_dir=args.data, seq_len=32, micro_batch_size=4, val_fraction=0.1, seed=0)
+    data = TokenDataModule(data_dir=args.data, seq_len=32, micro_batch_size=4, val_fraction=0.1, data_seed=0)
     if args.drop:
         drop = {int(i) for i in args.drop.split(",")}
         orig = data.train_dataloader

@@ -85,7 +85,7 @@ def fit(name: str, args, ckpt_dir: Path, snap: Snap, resume: str | None) -> None
         scheduler=SchedulerConfig(warmup_steps=2, decay=decay, total_steps=40),
         grad_clip=1.0,
     )
-    data = TokenDataModule(data_dir=args.data, seq_len=32, micro_batch_size=4, val_fraction=0.1, seed=0)
+    data = TokenDataModule(data_dir=args.data, seq_len=32, micro_batch_size=4, val_fraction=0.1, data_seed=0)
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, filename="step={step:04d}", auto_insert_metric_name=False,
                            every_n_train_steps=args.ckpt_step, save_top_k=-1)  # fmt: skip
     trainer = Trainer(

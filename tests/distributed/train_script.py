@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from kempnerforge.config import ModelConfig
 from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.data.streaming import StreamingTokenDataModule
 from kempnerforge.module import CausalLM
 from kempnerforge.parallel.grad_clip import total_grad_norm
 from kempnerforge.strategies import KempnerStrategy
@@ -88,6 +89,9 @@ def main() -> None:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--no-loss-parallel", action="store_true")
     p.add_argument("--record-batches", default=None, help="folder: each rank writes its batches as JSON")
+    p.add_argument(
+        "--stream-jsonl", default=None, help="stream this jsonl (StreamingTokenDataModule) instead of --data"
+    )
     args = p.parse_args()
 
     seed_everything(0, workers=True)
@@ -100,8 +104,12 @@ def main() -> None:
         grad_clip=1.0,
     )
     data = TokenDataModule(
-        data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch, val_fraction=0.1, seed=0
+        data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch, val_fraction=0.1, data_seed=0
     )
+    if args.stream_jsonl:
+        tokenizer = os.path.join(os.path.dirname(__file__), "..", "..", "data", "tokenizers", "gpt2")
+        spec = {"path": "json", "data_files": args.stream_jsonl}
+        data = StreamingTokenDataModule(spec, tokenizer, seq_len=args.seq_len, micro_batch_size=args.micro_batch)
     recorder = Recorder()
     callbacks = [recorder]
     if args.ckpt_dir:

@@ -168,7 +168,7 @@ def test_lightning_resume_mid_second_epoch_is_exact(prepared, tmp_path):
 
 
 def test_setup_split_sizes_and_batches(prepared):
-    dm = TokenDataModule(str(prepared), seq_len=64, micro_batch_size=4, val_fraction=0.1, seed=1)
+    dm = TokenDataModule(str(prepared), seq_len=64, micro_batch_size=4, val_fraction=0.1, data_seed=1)
     dm.setup("fit")
     n = (6048 - 1) // 64  # one shard
     assert len(dm.train_dataset) + len(dm.val_dataset) == n == 94
