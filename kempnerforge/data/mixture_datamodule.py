@@ -45,7 +45,8 @@ class MixtureDataModule(TokenDataModule):
         sources: the mixture (name, data_dir, weight).
         seq_len, micro_batch_size, val_fraction, num_workers, vocab_size, document_masking: as in
             :class:`~kempnerforge.data.datamodule.TokenDataModule`.
-        seed: the data seed (draws of the mixture and per-source permutations).
+        data_seed: the data seed (draws of the mixture and per-source permutations), separate from the
+            model's ``init_seed``.
         temperature: sampling temperature (> 0): probabilities ``w^(1/T)`` normalized.
         phases: annealing phases by optimizer step.
 
@@ -61,7 +62,7 @@ class MixtureDataModule(TokenDataModule):
         micro_batch_size: int = 8,
         val_fraction: float = 0.05,
         num_workers: int = 0,
-        seed: int = 0,
+        data_seed: int = 0,
         vocab_size: int | None = None,
         temperature: float = 1.0,
         phases: list[AnnealingPhase] | None = None,
@@ -75,7 +76,7 @@ class MixtureDataModule(TokenDataModule):
             micro_batch_size=micro_batch_size,
             val_fraction=val_fraction,
             num_workers=num_workers,
-            seed=seed,
+            data_seed=data_seed,
             vocab_size=vocab_size,
             document_masking=document_masking,
         )
@@ -91,7 +92,7 @@ class MixtureDataModule(TokenDataModule):
                 "micro_batch_size": micro_batch_size,
                 "val_fraction": val_fraction,
                 "num_workers": num_workers,
-                "seed": seed,
+                "data_seed": data_seed,
                 "vocab_size": vocab_size,
                 "document_masking": document_masking,
             }
@@ -134,7 +135,7 @@ class MixtureDataModule(TokenDataModule):
         trainer = getattr(self, "_trainer", None)
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         sampler = MixtureSampler(
-            self.train_sizes, self.schedule, self.micro_batch_size * dp * accumulate, rank, dp, self.seed
+            self.train_sizes, self.schedule, self.micro_batch_size * dp * accumulate, rank, dp, self.data_seed
         )
         return StatefulDataLoader(
             self.train_dataset,

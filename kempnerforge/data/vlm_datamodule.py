@@ -29,7 +29,7 @@ class ImageTextDataModule(L.LightningDataModule):
         micro_batch_size: samples per step per data-parallel rank.
         val_fraction: share of records held out, in [0, 1).
         num_workers: loader processes per rank.
-        seed: shuffling seed (epoch ``e`` uses ``seed + e``).
+        data_seed: shuffling seed (epoch ``e`` uses ``data_seed + e``), separate from the model's ``init_seed``.
         image_field, text_field: record fields (see :class:`ImageTextDataset`).
         vocab_size: the model's vocabulary (linked from ``model.config.vocab_size``); the tokenizer
             must fit in it.
@@ -48,7 +48,7 @@ class ImageTextDataModule(L.LightningDataModule):
         micro_batch_size: int = 4,
         val_fraction: float = 0.0,
         num_workers: int = 0,
-        seed: int = 0,
+        data_seed: int = 0,
         image_field: str = "image",
         text_field: str = "caption",
         vocab_size: int | None = None,
@@ -62,7 +62,7 @@ class ImageTextDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.source, self.format, self.tokenizer_path = source, format, tokenizer
         self.max_text_len, self.micro_batch_size, self.val_fraction = max_text_len, micro_batch_size, val_fraction
-        self.num_workers, self.seed, self.vocab_size = num_workers, seed, vocab_size
+        self.num_workers, self.data_seed, self.vocab_size = num_workers, data_seed, vocab_size
         self.image_field, self.text_field = image_field, text_field
         self.processor = None
         self.collate: ImageTextCollator | None = None
@@ -100,7 +100,7 @@ class ImageTextDataModule(L.LightningDataModule):
     def _loader(self, dataset, train: bool) -> StatefulDataLoader:
         rank, dp = self.dp_rank_and_size()
         sampler = ResumableDistributedSampler(
-            dataset, num_replicas=dp, rank=rank, shuffle=train, seed=self.seed, drop_last=train
+            dataset, num_replicas=dp, rank=rank, shuffle=train, seed=self.data_seed, drop_last=train
         )
         return StatefulDataLoader(
             dataset,

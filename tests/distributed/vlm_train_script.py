@@ -59,7 +59,10 @@ def main() -> None:
     spec = FreezeSpec(encoder=True)
     callbacks = [FreezeRecorder()]
     if args.schedule:
-        spec = FreezeSpec(encoder=True, backbone=True, trainable_patterns=["backbone.layers.*.cross_*"])
+        # Stage 1 of LLaVA-style training: backbone frozen except its new parts (cross-attention
+        # blocks; MoT's image-modality weights), unfrozen at step 3.
+        new_parts = ["backbone.layers.*.cross_*", "backbone.layers.*.image.*"]
+        spec = FreezeSpec(encoder=True, backbone=True, trainable_patterns=new_parts)
         callbacks.append(FreezeSchedule(steps=[3], specs=[FreezeSpec(encoder=True)]))
     module = VisionLanguage(
         config=tiny_text(vocab_size=50257, max_seq_len=48),

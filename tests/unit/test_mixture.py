@@ -93,7 +93,7 @@ def two_sources(tmp_path_factory):
 
 
 def _module(sources, workers=0):
-    dm = MixtureDataModule(sources, seq_len=32, micro_batch_size=4, val_fraction=0.1, num_workers=workers, seed=7,
+    dm = MixtureDataModule(sources, seq_len=32, micro_batch_size=4, val_fraction=0.1, num_workers=workers, data_seed=7,
                            phases=[AnnealingPhase(start_step=6, weights={"sonnets": 1.0}, lr_scale=0.3)])  # fmt: skip
     dm.setup("fit")
     return dm
@@ -151,7 +151,7 @@ def test_checkpoint_resume_before_and_after_the_switch_gives_identical_losses(tw
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 losses.append(float(trainer.callback_metrics["train/loss"]))
 
-        dm = MixtureDataModule(two_sources, seq_len=32, micro_batch_size=4, val_fraction=0.1, seed=7,
+        dm = MixtureDataModule(two_sources, seq_len=32, micro_batch_size=4, val_fraction=0.1, data_seed=7,
                                phases=[AnnealingPhase(start_step=4, weights={"sonnets": 1.0}, lr_scale=0.3)])  # fmt: skip
         ckpt = ModelCheckpoint(
             dirpath=tmp_path, filename="s{step}", auto_insert_metric_name=False, every_n_train_steps=2, save_top_k=-1
