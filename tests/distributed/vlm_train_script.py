@@ -61,7 +61,7 @@ def main() -> None:
     if args.schedule:
         # Stage 1 of LLaVA-style training: backbone frozen except its new parts (cross-attention
         # blocks; MoT's image-modality weights), unfrozen at step 3.
-        new_parts = ["backbone.layers.*.cross_*", "backbone.layers.*.image.*"]
+        new_parts = ["backbone.layers.*.cross_*"] if args.arch == "cross_attention" else ["backbone.layers.*.image.*"]
         spec = FreezeSpec(encoder=True, backbone=True, trainable_patterns=new_parts)
         callbacks.append(FreezeSchedule(steps=[3], specs=[FreezeSpec(encoder=True)]))
     module = VisionLanguage(
