@@ -7,10 +7,12 @@ directory (through ``from_pretrained``, which also understands older key layouts
 weights-only DCP checkpoint that ``kforge fit --ckpt_path`` starts from with a fresh optimizer,
 schedule and data position.
 
-Families: dense ``LlamaForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_llama`) and softmax-routed
-``MixtralForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_mixtral`). Anything without a faithful HF
-equivalent (QK-norm, sigmoid routing, shared experts, capacity dropping, MoE on some layers only) is
-refused with the field that prevents it: a weight is never dropped silently.
+Families: dense ``LlamaForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_llama`), softmax-routed
+``MixtralForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_mixtral`) and softmax-routed MoE with gated
+shared experts ``Qwen2MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`). Anything without
+a faithful HF equivalent (QK-norm, sigmoid routing, route scaling, capacity dropping, ungated shared
+experts, Mixtral with MoE on some layers only) is refused with the field that prevents it: a weight
+is never dropped silently.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from kempnerforge.checkpoint import hf_llama, hf_mixtral
+from kempnerforge.checkpoint import hf_llama, hf_mixtral, hf_qwen2_moe
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
 from kempnerforge.checkpoint.load import build_model, load_checkpoint_model
 from kempnerforge.config.model import ModelConfig
@@ -36,7 +38,8 @@ _NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.in
 
 
 def hf_family(cfg: ModelConfig) -> ModuleType:
-    """The mapping module for ``cfg``: :mod:`hf_llama` for dense models, :mod:`hf_mixtral` for MoE.
+    """The mapping module for ``cfg``: :mod:`hf_llama` for dense models, :mod:`hf_mixtral` for MoE without
+    shared experts, :mod:`hf_qwen2_moe` for MoE with (gated) shared experts.
 
     Raises:
         ValueError: the config has no faithful HF equivalent (names the field and allowed values).
@@ -45,6 +48,9 @@ def hf_family(cfg: ModelConfig) -> ModuleType:
         if cfg.qk_norm:
             raise ValueError("ModelConfig.qk_norm=True has no LlamaForCausalLM equivalent; allowed: False")
         return hf_llama
+    if cfg.n_shared_experts > 0:
+        hf_qwen2_moe.check_qwen2_moe_compatible(cfg)
+        return hf_qwen2_moe
     hf_mixtral.check_mixtral_compatible(cfg)
     return hf_mixtral
 
@@ -141,7 +147,7 @@ def copy_tokenizer_files(tokenizer_dir: str | Path, output_dir: Path) -> list[st
 
 
 def model_config_from_hf(hf_config) -> ModelConfig:
-    """Our :class:`ModelConfig` for a ``transformers`` Llama or Mixtral config.
+    """Our :class:`ModelConfig` for a ``transformers`` Llama, Mixtral or Qwen2-MoE config.
 
     Raises:
         ValueError: another ``model_type``, or features our model lacks (see
@@ -162,7 +168,9 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         fields = asdict(dense)
         fields.update(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok)
         return ModelConfig(**fields)
-    raise ValueError(f"HF model_type={kind!r} is not supported; allowed: 'llama', 'mixtral'")
+    if kind == "qwen2_moe":
+        return hf_qwen2_moe.from_hf_config(hf_config)
+    raise ValueError(f"HF model_type={kind!r} is not supported; allowed: 'llama', 'mixtral', 'qwen2_moe'")
 
 
 def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ckpt") -> Path:

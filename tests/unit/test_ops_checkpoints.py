@@ -189,8 +189,34 @@ def test_refuses_what_hf_cannot_represent(tmp_path, shakespeare_tokens):
 
     base = dict(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=32, multiple_of=16)
     for fields, name in [({"qk_norm": True}, "qk_norm"), ({"num_experts": 4, "router": "sigmoid"}, "router"),
-                         ({"num_experts": 4, "n_shared_experts": 1}, "n_shared_experts"),
+                         ({"num_experts": 4, "n_shared_experts": 1}, "shared_expert_gate"),
+                         ({"num_experts": 4, "route_scale": 2.0}, "route_scale"),
                          ({"num_experts": 4, "moe_frequency": 2}, "moe_frequency"),
                          ({"num_experts": 4, "capacity_factor": 1.5}, "capacity_factor")]:  # fmt: skip
         with pytest.raises(ValueError, match=name):
             hf_family(ModelConfig(**base, **fields))
+
+
+def test_qwen2_moe_export_with_gated_shared_experts(tmp_path):
+    """Qwen-MoE: 2 shared experts (fused into HF's one shared expert), sigmoid shared gate, MoE on every 2nd
+    layer, no top-k renormalization: logits within 1e-5 and a bit-identical round trip."""
+    from kempnerforge.checkpoint.convert import write_weights_checkpoint
+    from kempnerforge.checkpoint.load import build_model
+    from kempnerforge.config import ModelConfig
+
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, max_seq_len=32, multiple_of=16,
+                      num_experts=4, top_k=2, moe_frequency=2, n_shared_experts=2, shared_expert_gate=True,
+                      router_renormalize=False, expert_width_multiplier=0.5, init_std=0.1)  # fmt: skip
+    model = build_model(cfg)
+    model.init_weights(seed=5)
+    write_weights_checkpoint(model, cfg, tmp_path / "ours", "step=0.ckpt", source="test")
+    out = dcp_to_hf(tmp_path / "ours", tmp_path / "hf")
+    hf = _hf(out)
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=tokens).logits, model.eval()(tokens), rtol=0, atol=1e-5)
+    back = load_checkpoint_model(hf_to_dcp(out, tmp_path / "back"))
+    assert back.config.expert_hidden == cfg.expert_hidden and back.config.n_shared_experts == 2
+    for key, value in model.state_dict().items():
+        assert torch.equal(back.model.state_dict()[key], value), key
