@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import asdict
@@ -112,12 +113,23 @@ def test_generate_greedy_equals_transformers(kind, trained, exported, gpt2_token
     assert torch.equal(stopped.tokens, theirs[:, ids.shape[1] :])
 
 
-def test_generate_cli_prints_completion_and_throughput(trained, gpt2_tokenizer_dir, capsys):
+def test_generate_cli_prints_completion_and_throughput(trained, gpt2_tokenizer_dir, capsys, monkeypatch):
     main(["generate", "--ckpt", str(trained["tied"][0]), "--prompt", "ROMEO:", "--prompt", "JULIET: O",
           "--max_new_tokens", "5", "--tokenizer", str(gpt2_tokenizer_dir)])  # fmt: skip
     out = capsys.readouterr().out
     assert "--- [0] ROMEO:" in out and "--- [1] JULIET: O" in out
     assert "tokens/s" in out
+    # The batch's row 0 is what the library's greedy generate gives for that prompt alone.
+    tok = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir, local_files_only=True)
+    model = load_checkpoint_model(trained["tied"][0]).model
+    alone = generate(model, torch.tensor([tok.encode("ROMEO:")]), None, SamplingConfig(max_new_tokens=5),
+                     eos_token_id=tok.eos_token_id)  # fmt: skip
+    assert f"--- [0] ROMEO:{tok.decode(alone.row(0))}\n" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("ROMEO:\n\nJULIET: O\n"))
+    main(["generate", "--ckpt", str(trained["tied"][0]), "--interactive", "--max_new_tokens", "5",
+          "--temperature", "0.8", "--top_k", "20", "--tokenizer", str(gpt2_tokenizer_dir)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("--- [0] ") == 2 and out.count("tokens/s") == 2  # one per non-empty line
 
 
 @pytest.mark.parametrize("kind", ["tied", "moe"])
