@@ -25,6 +25,10 @@ DOCS = [
 def test_lm_eval_loglikelihood_task_matches_our_model(tmp_path, gpt2_tokenizer_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the task's data is a local file; nothing may be fetched
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # An earlier in-process Trainer leaves LOCAL_RANK & co. set; accelerate (inside HFLM) would then
+    # try to join a process group. lm_eval runs in a fresh process in real use.
+    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
