@@ -191,16 +191,18 @@ def generate(
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    n_prefix = 0 if prefix_embeds is None else prefix_embeds.shape[1]
+    _check_lengths(model, n_prefix + prompt_len + sampling.max_new_tokens)  # before any allocation
+    dim = model.tok_embeddings.weight.shape[1]
+    if prefix_embeds is not None and (prefix_embeds.dim() != 3 or prefix_embeds.shape[::2] != (batch, dim)):
+        raise ValueError(
+            f"prefix_embeds must be (batch={batch}, n_prefix, dim={dim}), got {tuple(prefix_embeds.shape)}"
+        )
     h = model.tok_embeddings(input_ids)
     if prefix_embeds is not None:
-        if prefix_embeds.shape[0] != batch or prefix_embeds.shape[2] != h.shape[2]:
-            raise ValueError(f"prefix_embeds must be (batch={batch}, n_prefix, dim={h.shape[2]}), got "
-                             f"{tuple(prefix_embeds.shape)}")  # fmt: skip
-        pmask = (
-            torch.ones(prefix_embeds.shape[:2], dtype=torch.bool, device=device) if prefix_mask is None else prefix_mask
-        )
-        h, mask = torch.cat([prefix_embeds.to(h.dtype), h], dim=1), torch.cat([pmask.bool(), mask], dim=1)
-    _check_lengths(model, h.shape[1] + sampling.max_new_tokens)
+        ones = torch.ones(batch, n_prefix, dtype=torch.bool, device=device)
+        pmask = ones if prefix_mask is None else prefix_mask.bool()
+        h, mask = torch.cat([prefix_embeds.to(h.dtype), h], dim=1), torch.cat([pmask, mask], dim=1)
     eos = torch.tensor(sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())),
                        dtype=torch.long, device=device)  # fmt: skip
     generator = torch.Generator(device=device).manual_seed(sampling.seed) if sampling.temperature > 0 else None

@@ -137,3 +137,5 @@ def test_too_long_refused_before_decoding():
         generate(model, ids, mask, SamplingConfig(max_new_tokens=60))
     with pytest.raises(ValueError, match="at least one token"):
         left_pad([[1], []])
+    with pytest.raises(ValueError, match="prefix_embeds must be"):
+        generate(model, ids, mask, SamplingConfig(max_new_tokens=2), prefix_embeds=torch.zeros(1, 3, 16))
