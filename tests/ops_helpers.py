@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
 
 import torch.distributed as dist
@@ -13,7 +15,6 @@ from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.lr import SchedulerConfig
-from kempnerforge.training.optim import OptimizerConfig
 
 #: dense untied, dense tied, softmax MoE (Mixtral-compatible): the three export families of issue 9.
 TINY_CONFIGS = {
@@ -36,7 +37,9 @@ def train_checkpoint(root: Path, data_dir: Path, kind: str, steps: int = 6) -> t
         ``(checkpoint folder holding latest, val/loss of the final weights)``.
     """
     seed_everything(0)
-    module = CausalLM(tiny_config(kind), optimizer=OptimizerConfig(lr=1e-2),
+    # The module's own default optimizer config at lr 1e-2 (whatever module defines OptimizerConfig).
+    optimizer = dataclasses.replace(inspect.signature(CausalLM).parameters["optimizer"].default, lr=1e-2)
+    module = CausalLM(tiny_config(kind), optimizer=optimizer,
                       scheduler=SchedulerConfig(warmup_steps=1, total_steps=steps))  # fmt: skip
     data = TokenDataModule(str(data_dir), seq_len=32, micro_batch_size=4, val_fraction=0.05, seed=0)
     ckpt = root / f"ckpt-{kind}"
