@@ -25,7 +25,7 @@ from kempnerforge.module import CausalLM
 from kempnerforge.resilience.auto_resume import checkpoint_dir, find_resume_checkpoint
 
 #: Tools that are not Lightning subcommands, dispatched before LightningCLI parses ``argv``.
-TOOLS = ("prepare-data",)
+TOOLS = ("prepare-data", "generate", "convert", "eval", "check-env")
 #: ``--ckpt_path`` value (the default) that resumes from the newest complete checkpoint, if any.
 AUTO = "auto"
 
@@ -145,10 +145,27 @@ def cli_classes(args: list[str]) -> dict[str, Any]:
 
 
 def _run_tool(name: str, argv: list[str]) -> None:
+    # Imported on use: each tool's imports (transformers, datasets) stay out of `kforge fit`'s start-up.
     if name == "prepare-data":
         from kempnerforge.data.prepare import prepare_main
 
         prepare_main(argv)
+    elif name == "generate":
+        from kempnerforge.tools.generate import generate_main
+
+        generate_main(argv)
+    elif name == "convert":
+        from kempnerforge.tools.convert import convert_main
+
+        convert_main(argv)
+    elif name == "eval":
+        from kempnerforge.tools.evaluate import eval_main
+
+        eval_main(argv)
+    elif name == "check-env":
+        from kempnerforge.tools.check_env import check_env_main
+
+        check_env_main(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
+from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
 from kempnerforge.checkpoint.sharded_state import load_model_and_optimizers, optimizer_state
 from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_state
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
@@ -303,10 +303,20 @@ class KempnerStrategy(ModelParallelStrategy):
         """Restore model and optimizer shards in place (resharding), then return Lightning's metadata."""
         path = self.checkpoint_io.resolve(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.parallel_mesh is not None
-        load_model_and_optimizers(
-            self.model, self.optimizers, path, self.checkpoint_io, strict=self.lightning_module.strict_loading
-        )
         meta = self.checkpoint_io.load_checkpoint(path)
+        # An imported checkpoint (kforge convert hf-to-dcp) holds weights only: optimizer, schedule,
+        # loops and data position start fresh.
+        weights_only = bool(meta.pop(WEIGHTS_ONLY_KEY, False))
+        load_model_and_optimizers(
+            self.model,
+            [] if weights_only else self.optimizers,
+            path,
+            self.checkpoint_io,
+            strict=self.lightning_module.strict_loading,
+        )
+        if weights_only:
+            meta.pop("rank_state", None)
+            return meta
         dp = self.parallel_mesh.dp
         # A position saved under another dp degree is remapped exactly; the global batch must be kept.
         datamodule = getattr(self.lightning_module.trainer, "datamodule", None)

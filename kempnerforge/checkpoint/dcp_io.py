@@ -41,6 +41,9 @@ META_FILE = "meta.pt"
 LATEST_FILE = "latest"
 PARTIAL_SUFFIX = ".partial"
 COMPLETE_FILE = "COMPLETE"
+#: ``meta.pt`` key marking a checkpoint that holds model weights only (``kforge convert hf-to-dcp``):
+#: resuming from it starts a fresh optimizer, LR schedule, loop and data position.
+WEIGHTS_ONLY_KEY = "kempnerforge_weights_only"
 
 
 class CheckpointError(RuntimeError):

@@ -12,7 +12,7 @@ from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import apply_rope
+from kempnerforge.model.rope import apply_rope, apply_rope_rows
 
 
 class Attention(nn.Module):
@@ -70,6 +70,38 @@ class Attention(nn.Module):
         else:
             mask = key_mask if key_mask.dim() == 4 else causal_key_mask(key_mask)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int, attn_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Incremental attention for decoding: the new positions ``x`` attend to the cached ones and themselves.
+
+        The training path (:meth:`forward`) is untouched; this runs the same projections, QK-norm and
+        RoPE, stores the new keys/values in ``cache`` and attends over everything cached.
+
+        Args:
+            x: (batch, new, dim) hidden states of the new positions.
+            cos, sin: (batch, new, head_dim) RoPE tables at each row's own positions (left padding
+                shifts them per row).
+            cache: a :class:`~kempnerforge.model.kv_cache.KVCache` inside a step (``begin`` called).
+            layer: this layer's index in ``cache``.
+            attn_mask: (batch, 1, new, cached + new) bool from :meth:`KVCache.begin`.
+
+        Returns:
+            (batch, new, dim).
+        """
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope_rows(q, cos, sin), apply_rope_rows(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        k, v = cache.update(layer, k, v)
+        gqa = q.shape[1] != k.shape[1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

@@ -55,3 +55,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     sin = sin[None, :, None, :].float()
     x32 = x.float()
     return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with a position per row (decoding with left padding or a KV cache).
+
+    Args:
+        x: (batch, seq, heads, head_dim).
+        cos, sin: (batch, seq, head_dim), e.g. ``rope_cos[positions]`` for positions (batch, seq).
+
+    Returns:
+        (batch, seq, heads, head_dim), same dtype as ``x``; equals :func:`apply_rope` when every row
+        has positions 0..seq-1.
+    """
+    cos = cos[:, :, None, :].float()
+    sin = sin[:, :, None, :].float()
+    x32 = x.float()
+    return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)

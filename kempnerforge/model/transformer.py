@@ -59,6 +59,14 @@ class TransformerBlock(nn.Module):
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int, attn_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The block for incremental decoding (see :meth:`Attention.forward_cached`); x (batch, new, dim)."""
+        h = x + self.attention.forward_cached(self.attention_norm(x), cos, sin, cache, layer, attn_mask)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
 
 class Transformer(nn.Module):
     """Decoder-only language model: embedding, ``n_layers`` blocks, final RMSNorm, output head.

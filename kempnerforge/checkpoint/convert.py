@@ -1,0 +1,231 @@
+"""Conversion between kempnerforge DCP checkpoints and Hugging Face ``transformers`` directories.
+
+``dcp_to_hf`` writes what ``AutoModelForCausalLM.from_pretrained`` loads: ``config.json``,
+``model.safetensors`` (or shards plus ``model.safetensors.index.json`` above ``max_shard_size``,
+through ``PreTrainedModel.save_pretrained``) and the tokenizer files. ``hf_to_dcp`` reads such a
+directory (through ``from_pretrained``, which also understands older key layouts) into a
+weights-only DCP checkpoint that ``kforge fit --ckpt_path`` starts from with a fresh optimizer,
+schedule and data position.
+
+Families: dense ``LlamaForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_llama`), softmax-routed
+``MixtralForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_mixtral`) and softmax-routed MoE with gated
+shared experts ``Qwen2MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`). Anything without
+a faithful HF equivalent (QK-norm, sigmoid routing, route scaling, capacity dropping, ungated shared
+experts, Mixtral with MoE on some layers only) is refused with the field that prevents it: a weight
+is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from kempnerforge.checkpoint import hf_llama, hf_mixtral, hf_qwen2_moe
+from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
+from kempnerforge.checkpoint.load import build_model, load_checkpoint_model
+from kempnerforge.config.model import ModelConfig
+
+#: dtype names accepted by ``--dtype``.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Files of a model directory that are not the tokenizer's (never copied as tokenizer files).
+_NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+def hf_family(cfg: ModelConfig) -> ModuleType:
+    """The mapping module for ``cfg``: :mod:`hf_llama` for dense models, :mod:`hf_mixtral` for MoE without
+    shared experts, :mod:`hf_qwen2_moe` for MoE with (gated) shared experts.
+
+    Raises:
+        ValueError: the config has no faithful HF equivalent (names the field and allowed values).
+    """
+    if cfg.num_experts == 0:
+        if cfg.qk_norm:
+            raise ValueError("ModelConfig.qk_norm=True has no LlamaForCausalLM equivalent; allowed: False")
+        return hf_llama
+    if cfg.n_shared_experts > 0:
+        hf_qwen2_moe.check_qwen2_moe_compatible(cfg)
+        return hf_qwen2_moe
+    hf_mixtral.check_mixtral_compatible(cfg)
+    return hf_mixtral
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``torch.dtype`` for ``float32`` / ``bfloat16`` / ``float16``.
+
+    Raises:
+        ValueError: another name.
+    """
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; allowed: {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def dcp_to_hf(
+    ckpt: str | Path,
+    output_dir: str | Path,
+    dtype: str = "float32",
+    max_shard_size: str | int = "5GB",
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """Export a kempnerforge checkpoint as a ``transformers`` directory (one process, no process group).
+
+    Args:
+        ckpt: checkpoint directory or the folder holding ``latest``.
+        output_dir: directory to write (created; existing files of the same names are replaced).
+        dtype: weight dtype in the safetensors files: float32, bfloat16 or float16.
+        max_shard_size: largest safetensors file (``save_pretrained`` syntax: "5GB" or bytes); larger
+            models are split into ``model-0000i-of-0000n.safetensors`` plus an index.
+        tokenizer: local tokenizer directory whose files are copied; None uses the one the training
+            data was prepared with (recorded in the checkpoint), if any.
+
+    Returns:
+        ``output_dir`` as a Path.
+
+    Raises:
+        ValueError: a model without HF equivalent (:func:`hf_family`), an unknown dtype.
+        FileNotFoundError: ``tokenizer`` is not a directory.
+    """
+    torch_dtype = dtype_from_name(dtype)
+    loaded = load_checkpoint_model(ckpt)
+    family = hf_family(loaded.config)
+    hf_config = family.to_hf_config(loaded.config)
+    hf_config.dtype = torch_dtype
+    hf_sd = family.to_hf_state_dict(loaded.model.state_dict(), loaded.config)
+    hf_sd = {k: v.detach().to(torch_dtype).contiguous() for k, v in hf_sd.items()}
+    hf_model = _hf_model_with(hf_config, hf_sd, loaded.config.tie_embeddings)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(out, max_shard_size=max_shard_size)
+    tok = tokenizer if tokenizer is not None else loaded.tokenizer
+    if tok is not None:
+        copy_tokenizer_files(tok, out)
+    return out
+
+
+def _hf_model_with(hf_config, hf_sd: dict[str, torch.Tensor], tied: bool) -> nn.Module:
+    """The HF model for ``hf_config`` holding exactly ``hf_sd`` (built on meta: no random init, no copy)."""
+    from transformers import AutoModelForCausalLM  # local import: transformers is slow to import
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    result = model.load_state_dict(hf_sd, strict=False, assign=True)
+    expected_missing = ["lm_head.weight"] if tied else []
+    if result.unexpected_keys or sorted(result.missing_keys) != expected_missing:
+        raise RuntimeError(
+            f"HF {type(model).__name__} state dict mismatch: missing {result.missing_keys}, "
+            f"unexpected {result.unexpected_keys}"
+        )
+    if tied:
+        model.tie_weights()
+    return model
+
+
+def copy_tokenizer_files(tokenizer_dir: str | Path, output_dir: Path) -> list[str]:
+    """Copy a local tokenizer directory's files (not model config or weights) into ``output_dir``.
+
+    Returns:
+        The copied file names.
+
+    Raises:
+        FileNotFoundError: ``tokenizer_dir`` is not a directory.
+    """
+    src = Path(tokenizer_dir)
+    if not src.is_dir():
+        raise FileNotFoundError(f"tokenizer={str(src)!r} is not a directory")
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.name not in _NOT_TOKENIZER and f.suffix not in (".safetensors", ".bin", ".pt"):
+            shutil.copy2(f, output_dir / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def model_config_from_hf(hf_config) -> ModelConfig:
+    """Our :class:`ModelConfig` for a ``transformers`` Llama, Mixtral or Qwen2-MoE config.
+
+    Raises:
+        ValueError: another ``model_type``, or features our model lacks (see
+            :func:`hf_llama.from_hf_config`; Mixtral: a sliding window shorter than the context).
+    """
+    kind = getattr(hf_config, "model_type", None)
+    if kind == "llama":
+        return hf_llama.from_hf_config(hf_config)
+    if kind == "mixtral":
+        window = getattr(hf_config, "sliding_window", None)
+        if window is not None and window < hf_config.max_position_embeddings:
+            raise ValueError(
+                f"MixtralConfig.sliding_window={window} is not supported (kempnerforge attends to the full "
+                f"context); allowed: None or >= max_position_embeddings={hf_config.max_position_embeddings}"
+            )
+        # A Mixtral config reads as a Llama config plus the expert fields.
+        dense = hf_llama.from_hf_config(hf_config)
+        fields = asdict(dense)
+        fields.update(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok)
+        return ModelConfig(**fields)
+    if kind == "qwen2_moe":
+        return hf_qwen2_moe.from_hf_config(hf_config)
+    raise ValueError(f"HF model_type={kind!r} is not supported; allowed: 'llama', 'mixtral', 'qwen2_moe'")
+
+
+def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ckpt") -> Path:
+    """Import a local ``transformers`` directory as a weights-only kempnerforge DCP checkpoint.
+
+    Weights are read in fp32 (exact from fp32, bf16 or fp16 files). The result is
+    ``output_dir/<name>`` with ``COMPLETE`` and ``latest`` (the layout of
+    :mod:`~kempnerforge.checkpoint.dcp_io`) and ``output_dir/model.yaml``, the ``--model.config`` to
+    train it with: ``kforge fit --config <recipe> --config <output_dir>/model.yaml --ckpt_path <output_dir>``.
+    Its ``meta.pt`` carries :data:`WEIGHTS_ONLY_KEY`, so the run starts a fresh optimizer and schedule.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: an unsupported model (:func:`model_config_from_hf`, :func:`hf_family`).
+        KeyError: HF weights with no counterpart in our model, or missing weights.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM  # local import: transformers is slow to import
+
+    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    cfg = model_config_from_hf(hf_config)
+    family = hf_family(cfg)
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+    sd = family.from_hf_state_dict(hf_model.state_dict(), cfg)
+    model = build_model(cfg)
+    model.load_state_dict(sd, strict=True)
+    model.tie_weights()
+    return write_weights_checkpoint(model, cfg, output_dir, name, source=str(hf_dir))
+
+
+def write_weights_checkpoint(
+    model: nn.Module, cfg: ModelConfig, output_dir: str | Path, name: str, source: str
+) -> Path:
+    """Write ``model``'s weights as a kempnerforge checkpoint (keys as ``CausalLM`` saves them) plus ``model.yaml``."""
+    import lightning
+
+    holder = nn.Module()  # CausalLM keeps its decoder under ``model``: same FQNs as a training save
+    holder.model = model
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = {
+        "state_dict": get_model_state_dict(holder),
+        "hyper_parameters": {"config": asdict(cfg)},
+        "lr_schedulers": [],  # fresh schedule: Lightning restores none
+        "pytorch-lightning_version": lightning.__version__,  # Lightning's resume reads it (no migration)
+        WEIGHTS_ONLY_KEY: True,
+        "source": source,
+    }
+    DCPCheckpointIO().save_checkpoint(checkpoint, out / name)
+    (out / "model.yaml").write_text(_model_yaml(cfg))
+    return out / name
+
+
+def _model_yaml(cfg: ModelConfig) -> str:
+    import yaml  # PyYAML ships with jsonargparse[signatures] / lightning
+
+    return yaml.safe_dump({"model": {"config": asdict(cfg)}}, sort_keys=False)

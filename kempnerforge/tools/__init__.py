@@ -1,0 +1,1 @@
+"""Command-line tools on the ``kforge`` entry point besides training: generate, convert, eval, check-env."""

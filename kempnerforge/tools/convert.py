@@ -1,0 +1,42 @@
+"""``kforge convert``: DCP checkpoint <-> Hugging Face ``transformers`` directory.
+
+    kforge convert dcp-to-hf --ckpt checkpoints/debug --output_dir hf/debug [--dtype bfloat16] [--max_shard_size 2GB]
+    kforge convert hf-to-dcp --hf_dir hf/debug --output_dir imported/debug
+    kforge fit --config configs/debug.yaml --config imported/debug/model.yaml --ckpt_path imported/debug
+
+See :mod:`kempnerforge.checkpoint.convert` for what is supported and what is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kempnerforge.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``kforge convert`` (two subcommands)."""
+    p = argparse.ArgumentParser(prog="kforge convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="direction", required=True)
+    out = sub.add_parser("dcp-to-hf", help="checkpoint -> transformers directory (safetensors)")
+    out.add_argument("--ckpt", required=True, help="checkpoint directory, or the folder holding `latest`")
+    out.add_argument("--output_dir", required=True)
+    out.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype written")
+    out.add_argument("--max_shard_size", default="5GB", help="split safetensors files above this size")
+    out.add_argument("--tokenizer", default=None, help="tokenizer dir to copy (default: the one recorded)")
+    inp = sub.add_parser("hf-to-dcp", help="transformers directory -> weights-only DCP checkpoint")
+    inp.add_argument("--hf_dir", required=True, help="local transformers model directory")
+    inp.add_argument("--output_dir", required=True)
+    return p
+
+
+def convert_main(argv: list[str] | None = None) -> None:
+    """Entry point of ``kforge convert``; prints where the result is."""
+    args = build_parser().parse_args(argv)
+    if args.direction == "dcp-to-hf":
+        out = dcp_to_hf(args.ckpt, args.output_dir, args.dtype, args.max_shard_size, args.tokenizer)
+        print(f"wrote transformers directory {out.resolve()}")
+    else:
+        out = hf_to_dcp(args.hf_dir, args.output_dir)
+        print(f"wrote checkpoint {out.resolve()}; train from it with --config {out.parent / 'model.yaml'} "
+              f"--ckpt_path {out.parent}")  # fmt: skip

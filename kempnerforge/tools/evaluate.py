@@ -1,0 +1,129 @@
+"""``kforge eval``: perplexity of a checkpoint on token data, on one device without a process group.
+
+    kforge eval --ckpt checkpoints/debug                     # the run's own validation split
+    kforge eval --ckpt checkpoints/debug --data_dir data/tokens/other --split all
+    kforge eval --ckpt checkpoints/debug --source corpus.jsonl --tokenizer data/tokenizers/gpt2
+
+Data defaults (``data_dir``, ``seq_len``, ``val_fraction``) come from the checkpoint's data module,
+so the default is the held-out split training validated on, and the result equals
+``exp(val/loss)`` of that run. ``--source`` takes anything ``kforge prepare-data`` reads (text,
+jsonl, parquet, a ``datasets.save_to_disk`` folder): it is tokenized into a temporary memmap first.
+
+Perplexity = exp(total next-token cross-entropy / number of target tokens), over non-overlapping
+windows of ``seq_len + 1`` tokens (the training layout). For benchmark tasks use lm-evaluation-harness
+on a converted checkpoint (``kforge convert dcp-to-hf``, then ``lm_eval --model hf
+--model_args pretrained=<dir>``; see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from kempnerforge.checkpoint.load import load_checkpoint_model
+from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.data.prepare import prepare_data
+
+SPLITS = ("val", "train", "all")
+
+
+@dataclass
+class PerplexityResult:
+    """Token-weighted evaluation result: ``loss`` nats/token, ``perplexity`` = exp(loss), ``tokens`` counted."""
+
+    loss: float
+    perplexity: float
+    tokens: int
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, loader: DataLoader, device: torch.device | str = "cpu") -> PerplexityResult:
+    """Mean next-token cross-entropy (fp32 logits, summed then divided by the token count) and its exp.
+
+    Args:
+        model: maps input_ids (batch, seq) to logits (batch, seq, vocab).
+        loader: yields ``{"input_ids", "labels"}`` (batch, seq); labels -100 are ignored.
+
+    Raises:
+        ValueError: the loader yields no target token.
+    """
+    total, count = 0.0, 0
+    for batch in loader:
+        labels = batch["labels"].to(device)
+        logits = model(batch["input_ids"].to(device)).float()
+        total += float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"))
+        count += int((labels != -100).sum())
+    if count == 0:
+        raise ValueError("perplexity: the data has no target tokens")
+    loss = total / count
+    return PerplexityResult(loss, math.exp(loss), count)
+
+
+def eval_windows(data_dir: str, seq_len: int, val_fraction: float, split: str, seed: int = 0):
+    """The windows of ``split`` exactly as :class:`TokenDataModule` cuts them (``all``: every window).
+
+    Raises:
+        ValueError: ``split`` not in :data:`SPLITS`, or ``val`` with ``val_fraction == 0``.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not allowed; use one of {SPLITS}")
+    if split == "all":
+        val_fraction = 0.0
+    dm = TokenDataModule(data_dir, seq_len=seq_len, micro_batch_size=1, val_fraction=val_fraction, seed=seed)
+    dm.setup("validate")
+    if split == "val":
+        if dm.val_dataset is None:
+            raise ValueError("split='val' needs val_fraction > 0 (the checkpoint's run had no validation split)")
+        return dm.val_dataset
+    return dm.train_dataset
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``kforge eval``."""
+    p = argparse.ArgumentParser(prog="kforge eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="checkpoint directory, or the folder holding `latest`")
+    p.add_argument("--data_dir", default=None, help="memmap token shards (default: the run's data_dir)")
+    p.add_argument("--source", default=None, help="text / jsonl / parquet / save_to_disk data to tokenize first")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir for --source (default: the run's)")
+    p.add_argument("--text_field", default="text", help="text column of --source")
+    p.add_argument("--split", default=None, choices=SPLITS, help="default: val for the run's data, all for others")
+    p.add_argument("--seq_len", type=int, default=None, help="tokens per window (default: the run's)")
+    p.add_argument("--val_fraction", type=float, default=None, help="default: the run's")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p
+
+
+def eval_main(argv: list[str] | None = None) -> PerplexityResult:
+    """Entry point of ``kforge eval``; prints and returns the result."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    loaded = load_checkpoint_model(args.ckpt, device=args.device)
+    run = loaded.meta.get("datamodule_hyper_parameters") or {}
+    seq_len = args.seq_len or run.get("seq_len")
+    if seq_len is None:
+        parser.error("--seq_len is needed (the checkpoint records no data module)")
+    own_data = args.data_dir is None and args.source is None
+    split = args.split or ("val" if own_data else "all")
+    val_fraction = args.val_fraction if args.val_fraction is not None else run.get("val_fraction", 0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = args.data_dir or run.get("data_dir")
+        if args.source is not None:
+            tokenizer = args.tokenizer or loaded.tokenizer
+            if tokenizer is None:
+                parser.error("--source needs --tokenizer (the checkpoint records none)")
+            prepare_data(source=args.source, tokenizer=tokenizer, output_dir=tmp, text_field=args.text_field)
+            data_dir = tmp
+        if data_dir is None:
+            parser.error("--data_dir or --source is needed (the checkpoint records no data module)")
+        windows = eval_windows(data_dir, seq_len, val_fraction, split, run.get("seed", 0))
+        result = perplexity(loaded.model, DataLoader(windows, batch_size=args.batch_size), args.device)
+    print(f"{split} split of {data_dir if args.source is None else args.source}: loss {result.loss:.6f} nats/token, "
+          f"perplexity {result.perplexity:.4f} over {result.tokens:,} tokens")  # fmt: skip
+    return result

@@ -1,0 +1,97 @@
+"""``kforge generate``: sample from a checkpoint on one device, without a process group.
+
+    kforge generate --ckpt checkpoints/debug --prompt "ROMEO:" --prompt "JULIET:" --max_new_tokens 50
+    kforge generate --ckpt checkpoints/debug --interactive --temperature 0.8 --top_p 0.95
+
+The checkpoint may have been saved by any number of processes (DCP reads it whole, see
+:mod:`kempnerforge.checkpoint.load`). Decoding uses the KV cache of :mod:`kempnerforge.model.generate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+
+import torch
+
+from kempnerforge.checkpoint.convert import dtype_from_name
+from kempnerforge.checkpoint.load import load_checkpoint_model
+from kempnerforge.model.generate import SamplingConfig, generate, left_pad
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``kforge generate``."""
+    p = argparse.ArgumentParser(prog="kforge generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True, help="checkpoint directory, or the folder holding `latest`")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch (left-padded)")
+    p.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line")
+    p.add_argument(
+        "--tokenizer", default=None, help="local tokenizer dir (default: the one the data was prepared with)"
+    )
+    p.add_argument("--max_new_tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
+    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
+    return p
+
+
+def load_tokenizer(path: str | None):
+    """``AutoTokenizer`` from a local directory (never downloads).
+
+    Raises:
+        ValueError: no directory given and none recorded in the checkpoint.
+    """
+    if path is None:
+        raise ValueError("no tokenizer: pass --tokenizer DIR (the checkpoint records none)")
+    from transformers import AutoTokenizer  # local import: transformers is slow to import
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def run_batch(model, tokenizer, prompts: list[str], sampling: SamplingConfig, ignore_eos: bool, device) -> None:
+    """Generate for ``prompts`` and print each completion, then the throughput line."""
+    eos = None if ignore_eos else tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    ids, mask = left_pad([tokenizer.encode(p) for p in prompts], pad)
+    out = generate(model, ids.to(device), mask.to(device), sampling, eos_token_id=eos, pad_token_id=pad)
+    for i, prompt in enumerate(prompts):
+        print(f"--- [{i}] {prompt}{tokenizer.decode(out.row(i))}")
+    print(f"generated {int(out.lengths.sum())} tokens in {out.seconds:.2f} s ({out.tokens_per_s:.1f} tokens/s)")
+
+
+def _lines(stream: Iterable[str]) -> Iterable[str]:
+    for line in stream:
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+def generate_main(argv: list[str] | None = None) -> None:
+    """Entry point of ``kforge generate`` (see the module docstring).
+
+    Raises:
+        SystemExit: neither ``--prompt`` nor ``--interactive`` given, or a bad sampling argument.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.prompt and not args.interactive:
+        parser.error("give --prompt (repeatable) or --interactive")
+    try:
+        sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+        dtype = dtype_from_name(args.dtype)
+    except ValueError as err:
+        parser.error(str(err))
+    loaded = load_checkpoint_model(args.ckpt, device=args.device, dtype=dtype)
+    tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer)
+    print(f"loaded {loaded.path} ({loaded.config.num_params() / 1e6:.1f}M parameters) on {args.device}")
+    if args.prompt:
+        run_batch(loaded.model, tokenizer, args.prompt, sampling, args.ignore_eos, args.device)
+    if args.interactive:
+        print("one prompt per line; end with Ctrl-D", file=sys.stderr)
+        for line in _lines(sys.stdin):
+            run_batch(loaded.model, tokenizer, [line], sampling, args.ignore_eos, args.device)
