@@ -25,6 +25,10 @@ def test_wheel_contains_strategies_and_callbacks(tmp_path):
     assert "kempnerforge/callbacks/__init__.py" in names
     assert "kempnerforge/model/transformer.py" in names
     assert not any(n.startswith(("strategies/", "callbacks/", "tests/")) for n in names)
+    # every package of the source tree is in the wheel (a subpackage missing from pyproject's list
+    # installs fine in editable mode and breaks only for wheel users)
+    packages = {p.relative_to(REPO).as_posix() for p in (REPO / "kempnerforge").rglob("__init__.py")}
+    assert packages <= names, sorted(packages - names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kforge = kempnerforge.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
