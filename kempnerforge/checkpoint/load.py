@@ -52,15 +52,15 @@ def model_config_from_meta(meta: dict[str, Any], path: Path) -> ModelConfig:
     """The :class:`ModelConfig` stored in a checkpoint's hyperparameters (``CausalLM(config=...)``).
 
     Raises:
-        ValueError: the checkpoint has no ``hyper_parameters.config`` (not written by ``CausalLM``,
-            e.g. a VLM module, which these tools do not load yet), or holds unknown config fields.
+        ValueError: the checkpoint has no ``hyper_parameters.config`` (not written by ``CausalLM`` or
+            ``VisionLanguage``), or holds unknown config fields.
     """
     hparams = meta.get("hyper_parameters") or {}
     config = hparams.get("config")
     if not isinstance(config, dict):
         raise ValueError(
             f"{path}: no hyper_parameters['config'] in {META_FILE}; only checkpoints of "
-            "kempnerforge.module.CausalLM (decoder LLM, dense or MoE) can be loaded here."
+            "kempnerforge.module.CausalLM (decoder LLM, dense or MoE) or VisionLanguage can be loaded here."
         )
     known = {f.name for f in fields(ModelConfig)}
     unknown = sorted(set(config) - known)
@@ -102,16 +102,67 @@ def load_checkpoint_model(
     meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
     config = model_config_from_meta(meta, resolved)
     model = build_model(config, device)
-    # Nested like the saved dict, so DCP's flattened keys ("state_dict.model.<fqn>") line up.
-    own = {k: v for k, v in model.state_dict().items() if not (config.tie_embeddings and k == "output.weight")}
-    state = {"state_dict": {f"model.{k}": v for k, v in own.items()}}
-    dcp.load(state, checkpoint_id=resolved, no_dist=True)  # no collectives, even if a group exists
-    loaded = {key.removeprefix("model."): tensor for key, tensor in state["state_dict"].items()}
-    if config.tie_embeddings:
-        loaded["output.weight"] = loaded["tok_embeddings.weight"]
-    model.load_state_dict(loaded, strict=True)
-    model.tie_weights()
+    load_model_state(model, resolved, "output.weight" if config.tie_embeddings else None)
     if dtype is not None:
         model.to(dtype=dtype)
         model.rope_cos.data, model.rope_sin.data = model.rope_cos.float(), model.rope_sin.float()
+    return LoadedCheckpoint(model.eval(), config, resolved, meta)
+
+
+def load_model_state(model: torch.nn.Module, resolved: Path, tied_head: str | None = None) -> None:
+    """Fill ``model`` (plain tensors) with the checkpoint's ``state_dict.model.*`` entries, no collectives.
+
+    Args:
+        model: the module Lightning's ``model`` attribute held when the checkpoint was saved.
+        resolved: the checkpoint directory.
+        tied_head: FQN of an output head tied to the embedding (saved once, under the embedding).
+
+    Raises:
+        RuntimeError: a key is missing from the checkpoint or a shape differs.
+    """
+    # Nested like the saved dict, so DCP's flattened keys ("state_dict.model.<fqn>") line up.
+    own = {k: v for k, v in model.state_dict().items() if k != tied_head}
+    state = {"state_dict": {f"model.{k}": v for k, v in own.items()}}
+    dcp.load(state, checkpoint_id=resolved, no_dist=True)  # no collectives, even if a group exists
+    loaded = {key.removeprefix("model."): tensor for key, tensor in state["state_dict"].items()}
+    if tied_head is not None:
+        loaded[tied_head] = loaded[tied_head.replace("output.weight", "tok_embeddings.weight")]
+    model.load_state_dict(loaded, strict=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def is_vlm_checkpoint(path: str | Path) -> bool:
+    """True when the checkpoint was written by :class:`kempnerforge.module.VisionLanguage`."""
+    resolved = DCPCheckpointIO().resolve(path)
+    meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
+    return isinstance((meta.get("hyper_parameters") or {}).get("vlm"), dict)
+
+
+def load_vlm_checkpoint(path: str | Path, device: torch.device | str = "cpu") -> LoadedCheckpoint:
+    """Restore a :class:`~kempnerforge.module.VisionLanguage` checkpoint's model in this process.
+
+    The model is rebuilt from the saved hyperparameters (text config, arch, encoder, connector),
+    initialized once (RoPE tables, a pretrained encoder's folder must still exist) and then filled
+    with the saved weights, the frozen encoder's included.
+
+    Raises:
+        CheckpointError / RuntimeError: as :func:`load_checkpoint_model`.
+        ValueError: not a VLM checkpoint.
+    """
+    from kempnerforge.config.vision import ConnectorConfig, VisionEncoderConfig
+    from kempnerforge.config.vlm import VLMConfig
+    from kempnerforge.model.vlm.model import VisionLanguageModel
+
+    resolved = DCPCheckpointIO().resolve(path)
+    meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
+    hp = meta.get("hyper_parameters") or {}
+    if not isinstance(hp.get("vlm"), dict):
+        raise ValueError(f"{resolved}: not a VisionLanguage checkpoint (no hyper_parameters['vlm'])")
+    config = model_config_from_meta(meta, resolved)
+    model = VisionLanguageModel(
+        config, VLMConfig(**hp["vlm"]), VisionEncoderConfig(**hp["encoder"]), ConnectorConfig(**hp["connector"])
+    ).to(device)
+    model.init_weights(seed=int(hp.get("init_seed", 0)))
+    load_model_state(model, resolved, "backbone.output.weight" if config.tie_embeddings else None)
     return LoadedCheckpoint(model.eval(), config, resolved, meta)

@@ -2,6 +2,7 @@
 
     kforge generate --ckpt checkpoints/debug --prompt "ROMEO:" --prompt "JULIET:" --max_new_tokens 50
     kforge generate --ckpt checkpoints/debug --interactive --temperature 0.8 --top_p 0.95
+    kforge generate --ckpt checkpoints/vlm_jd --image photo.jpg --prompt "A photo of"
 
 The checkpoint may have been saved by any number of processes (DCP reads it whole, see
 :mod:`kempnerforge.checkpoint.load`). Decoding uses the KV cache of :mod:`kempnerforge.model.generate`.
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from kempnerforge.checkpoint.convert import dtype_from_name
-from kempnerforge.checkpoint.load import load_checkpoint_model
+from kempnerforge.checkpoint.load import is_vlm_checkpoint, load_checkpoint_model, load_vlm_checkpoint
 from kempnerforge.model.generate import SamplingConfig, generate, left_pad
 
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
+    p.add_argument("--image", default=None, help="image file for a vision-language checkpoint (every prompt sees it)")
     return p
 
 
@@ -86,6 +88,12 @@ def generate_main(argv: list[str] | None = None) -> None:
         dtype = dtype_from_name(args.dtype)
     except ValueError as err:
         parser.error(str(err))
+    if is_vlm_checkpoint(args.ckpt):
+        if args.image is None:
+            parser.error("this is a vision-language checkpoint: give --image PATH")
+        return _generate_vlm(args, sampling)
+    if args.image is not None:
+        parser.error("--image needs a vision-language checkpoint (kempnerforge.module.VisionLanguage)")
     loaded = load_checkpoint_model(args.ckpt, device=args.device, dtype=dtype)
     tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer)
     print(f"loaded {loaded.path} ({loaded.config.num_params() / 1e6:.1f}M parameters) on {args.device}")
@@ -95,3 +103,29 @@ def generate_main(argv: list[str] | None = None) -> None:
         print("one prompt per line; end with Ctrl-D", file=sys.stderr)
         for line in _lines(sys.stdin):
             run_batch(loaded.model, tokenizer, [line], sampling, args.ignore_eos, args.device)
+
+
+def _generate_vlm(args: argparse.Namespace, sampling: SamplingConfig) -> None:
+    """``--image``: one image for every prompt, through :func:`~kempnerforge.model.vlm_generate.generate_with_image`."""
+    from PIL import Image
+
+    from kempnerforge.config.vision import VisionEncoderConfig
+    from kempnerforge.model.vision import build_image_processor
+    from kempnerforge.model.vlm_generate import generate_with_image
+
+    loaded = load_vlm_checkpoint(args.ckpt, device=args.device)
+    tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer)
+    processor = build_image_processor(VisionEncoderConfig(**loaded.meta["hyper_parameters"]["encoder"]))
+    try:
+        image = Image.open(args.image).convert("RGB")
+    except OSError as err:
+        raise SystemExit(f"kforge generate: cannot read --image {args.image!r}: {err}") from err
+    print(f"loaded {loaded.path} ({loaded.config.num_params() / 1e6:.1f}M backbone parameters) on {args.device}")
+    prompts = list(args.prompt) if args.prompt else [line for line in _lines(sys.stdin)]
+    pixels = processor(images=[image] * len(prompts), return_tensors="pt")["pixel_values"].float().to(args.device)
+    eos = None if args.ignore_eos else tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    out = generate_with_image(loaded.model, [tokenizer.encode(p) for p in prompts], pixels, sampling, eos, pad)
+    for i, prompt in enumerate(prompts):
+        print(f"--- [{i}] {prompt}{tokenizer.decode(out.row(i))}")
+    print(f"generated {int(out.lengths.sum())} tokens in {out.seconds:.2f} s ({out.tokens_per_s:.1f} tokens/s)")
