@@ -41,7 +41,7 @@ def train_checkpoint(root: Path, data_dir: Path, kind: str, steps: int = 6) -> t
     optimizer = dataclasses.replace(inspect.signature(CausalLM).parameters["optimizer"].default, lr=1e-2)
     module = CausalLM(tiny_config(kind), optimizer=optimizer,
                       scheduler=SchedulerConfig(warmup_steps=1, total_steps=steps))  # fmt: skip
-    data = TokenDataModule(str(data_dir), seq_len=32, micro_batch_size=4, val_fraction=0.05, seed=0)
+    data = TokenDataModule(str(data_dir), seq_len=32, micro_batch_size=4, val_fraction=0.05, data_seed=0)
     ckpt = root / f"ckpt-{kind}"
     trainer = Trainer(
         accelerator="cpu",

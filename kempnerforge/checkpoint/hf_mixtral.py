@@ -13,7 +13,7 @@ The softmax router's ``expert_bias`` buffer is always zero and has no HF counter
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -106,9 +106,27 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
         KeyError: naming an HF key with no counterpart, or missing weights.
     """
     check_mixtral_compatible(cfg)
+    return moe_from_hf(sd, cfg, _HF_MOE_KEY)
+
+
+def moe_from_hf(
+    sd: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    moe_key: re.Pattern,
+    other: Callable[[str, str, torch.Tensor, dict[str, torch.Tensor]], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """HF MoE decoder state dict (Mixtral / Qwen2-MoE layout of transformers 5) under our keys.
+
+    Keys matching ``moe_key`` (groups: layer, name after ``mlp.``) are the router and the packed
+    routed experts; any other MLP name goes to ``other(prefix, name, value, out)`` (e.g. Qwen's shared
+    experts); everything else through the dense Llama mapping.
+
+    Raises:
+        KeyError: an MLP name with no counterpart (and no ``other``), or from the dense mapping.
+    """
     dense, out = {}, {}
     for key, value in sd.items():
-        match = _HF_MOE_KEY.match(key)
+        match = moe_key.match(key)
         if match is None:
             dense[key] = value
             continue
@@ -119,8 +137,12 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
             out[f"{prefix}.router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
         elif name == "experts.gate_up_proj":
             out[f"{prefix}.experts.w1"], out[f"{prefix}.experts.w3"] = value.chunk(2, dim=1)
-        else:
+        elif name == "experts.down_proj":
             out[f"{prefix}.experts.w2"] = value
+        elif other is not None:
+            other(prefix, name, value, out)
+        else:
+            raise KeyError(f"from_hf_state_dict: no kempnerforge name for HF key {key!r}")
     out.update(_dense_from_hf(dense, cfg))
     return out
 

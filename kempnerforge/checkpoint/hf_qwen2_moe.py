@@ -153,31 +153,19 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
         ValueError: see :func:`check_qwen2_moe_compatible`.
         KeyError: naming an HF key with no counterpart.
     """
-    from kempnerforge.checkpoint.hf_mixtral import _dense_from_hf
+    from kempnerforge.checkpoint.hf_mixtral import moe_from_hf
 
     check_qwen2_moe_compatible(cfg)
-    dense, out = {}, {}
-    for key, value in sd.items():
-        match = _HF_MOE_KEY.match(key)
-        if match is None:
-            dense[key] = value
-            continue
-        layer, name = match.groups()
-        p = f"layers.{layer}.moe"
-        if name == "gate.weight":
-            out[f"{p}.router.gate.weight"] = value
-            out[f"{p}.router.expert_bias"] = torch.zeros(cfg.num_experts, dtype=torch.float32)
-        elif name == "experts.gate_up_proj":
-            out[f"{p}.experts.w1"], out[f"{p}.experts.w3"] = value.chunk(2, dim=1)
-        elif name == "experts.down_proj":
-            out[f"{p}.experts.w2"] = value
-        elif name == "shared_expert_gate.weight":
-            out[f"{p}.shared_gate.weight"] = value
-        else:
-            ours = {f"shared_expert.{hf}.weight": o for o, hf in _SHARED.items()}.get(name)
-            if ours is None:
-                raise KeyError(f"from_hf_state_dict: no kempnerforge name for HF key {key!r}")
-            for s, part in enumerate(value.chunk(cfg.n_shared_experts, dim=1 if ours == "w2" else 0)):
-                out[f"{p}.shared_experts.{s}.{ours}.weight"] = part
-    out.update(_dense_from_hf(dense, cfg))
-    return out
+    shared_names = {f"shared_expert.{hf}.weight": o for o, hf in _SHARED.items()}
+
+    def shared(prefix: str, name: str, value: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        if name == "shared_expert_gate.weight":
+            out[f"{prefix}.shared_gate.weight"] = value
+            return
+        ours = shared_names.get(name)
+        if ours is None:
+            raise KeyError(f"from_hf_state_dict: no kempnerforge name for HF key {prefix}: mlp.{name!r}")
+        for s, part in enumerate(value.chunk(cfg.n_shared_experts, dim=1 if ours == "w2" else 0)):
+            out[f"{prefix}.shared_experts.{s}.{ours}.weight"] = part
+
+    return moe_from_hf(sd, cfg, _HF_MOE_KEY, shared)

@@ -65,7 +65,7 @@ def perplexity(model: torch.nn.Module, loader: DataLoader, device: torch.device 
     return PerplexityResult(loss, math.exp(loss), count)
 
 
-def eval_windows(data_dir: str, seq_len: int, val_fraction: float, split: str, seed: int = 0):
+def eval_windows(data_dir: str, seq_len: int, val_fraction: float, split: str, data_seed: int = 0):
     """The windows of ``split`` exactly as :class:`TokenDataModule` cuts them (``all``: every window).
 
     Raises:
@@ -75,7 +75,7 @@ def eval_windows(data_dir: str, seq_len: int, val_fraction: float, split: str, s
         raise ValueError(f"split={split!r} is not allowed; use one of {SPLITS}")
     if split == "all":
         val_fraction = 0.0
-    dm = TokenDataModule(data_dir, seq_len=seq_len, micro_batch_size=1, val_fraction=val_fraction, seed=seed)
+    dm = TokenDataModule(data_dir, seq_len=seq_len, micro_batch_size=1, val_fraction=val_fraction, data_seed=data_seed)
     dm.setup("validate")
     if split == "val":
         if dm.val_dataset is None:
@@ -122,7 +122,7 @@ def eval_main(argv: list[str] | None = None) -> PerplexityResult:
             data_dir = tmp
         if data_dir is None:
             parser.error("--data_dir or --source is needed (the checkpoint records no data module)")
-        windows = eval_windows(data_dir, seq_len, val_fraction, split, run.get("seed", 0))
+        windows = eval_windows(data_dir, seq_len, val_fraction, split, run.get("data_seed", run.get("seed", 0)))
         result = perplexity(loaded.model, DataLoader(windows, batch_size=args.batch_size), args.device)
     print(f"{split} split of {data_dir if args.source is None else args.source}: loss {result.loss:.6f} nats/token, "
           f"perplexity {result.perplexity:.4f} over {result.tokens:,} tokens")  # fmt: skip
