@@ -57,7 +57,7 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
         grad_clip=float(opts.get("clip", 1.0)),
     )
     datamodule = TokenDataModule(
-        data_dir=data, seq_len=32, micro_batch_size=opts.get("micro_batch", 8), val_fraction=0.1, seed=0
+        data_dir=data, seq_len=32, micro_batch_size=opts.get("micro_batch", 8), val_fraction=0.1, data_seed=0
     )
     pp_kwargs = {}
     if pp > 1:
