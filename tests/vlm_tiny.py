@@ -9,8 +9,8 @@ from kempnerforge.config.vision import ConnectorConfig, VisionEncoderConfig
 from kempnerforge.config.vlm import VLMConfig
 
 REPO = Path(__file__).resolve().parents[1]
-IMAGES = REPO.parent / "shared" / "data" / "images"
-IMAGE_PARQUET = REPO.parent / "shared" / "data" / "hf" / "image_text" / "train.parquet"
+IMAGES = REPO / "data" / "images"  # bundled copy of ../shared/data/images (CI clones lack ../shared)
+IMAGE_PARQUET = REPO / "data" / "hf" / "image_text" / "train.parquet"
 GPT2 = REPO / "data" / "tokenizers" / "gpt2"
 
 
