@@ -13,6 +13,7 @@ from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
+from kempnerforge.model.attention import causal_key_mask
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
@@ -97,7 +98,9 @@ class JointDecoder(VLMBackbone):
                 f"{self.rope_cos.shape[0]}"
             )
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        # One (batch, 1, seq, seq) mask for every layer instead of one per layer's attention.
+        mask = None if key_mask is None else causal_key_mask(key_mask)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, key_mask)
+            h = layer(h, cos, sin, mask)
         n_text = input_ids.shape[1]
         return self.output(self.norm(h[:, seq - n_text :]))
