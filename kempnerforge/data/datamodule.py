@@ -197,20 +197,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: MemmapTokenDataset, train: bool) -> StatefulDataLoader:
         rank, dp = self.dp_rank_and_size()
-        # drop_last in the sampler keeps every rank at the same number of steps; validation pads
-        # instead (a few windows counted twice) so no held-out window is skipped.
-        sampler = ResumableDistributedSampler(
-            dataset, num_replicas=dp, rank=rank, shuffle=train, seed=self.data_seed, drop_last=train
-        )
-        return StatefulDataLoader(
-            dataset,
-            batch_size=self.micro_batch_size,
-            sampler=sampler,
-            drop_last=train,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-        )
+        return resumable_loader(dataset, self.micro_batch_size, rank, dp, train, self.data_seed, self.num_workers)
 
     def train_dataloader(self) -> StatefulDataLoader:
         """Shuffled, ``drop_last`` loader of ``{"input_ids", "labels"}``: (micro_batch_size, seq_len)."""
@@ -221,6 +208,37 @@ class TokenDataModule(L.LightningDataModule):
         """In-order loader over the held-out windows; ``[]`` (no validation) when val_fraction is 0."""
         self.setup("validate")
         return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
+
+
+def resumable_loader(
+    dataset: Any,
+    micro_batch_size: int,
+    rank: int,
+    dp: int,
+    train: bool,
+    data_seed: int,
+    num_workers: int,
+    collate_fn: Any = None,
+) -> StatefulDataLoader:
+    """A ``StatefulDataLoader`` over a :class:`ResumableDistributedSampler` (this dp rank's share).
+
+    Training shuffles with ``data_seed`` and drops the last partial batch in the sampler and the
+    loader, so every rank runs the same number of steps; validation keeps order and pads instead (a
+    few samples counted twice), so no held-out sample is skipped.
+    """
+    sampler = ResumableDistributedSampler(
+        dataset, num_replicas=dp, rank=rank, shuffle=train, seed=data_seed, drop_last=train
+    )
+    return StatefulDataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        drop_last=train,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+    )
 
 
 def dp_rank_and_size(trainer: Any) -> tuple[int, int]:

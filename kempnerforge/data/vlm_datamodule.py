@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from kempnerforge.data.datamodule import ResumableDistributedSampler, TokenDataModule
+from kempnerforge.data.datamodule import TokenDataModule, resumable_loader
 from kempnerforge.data.image_text import ImageTextCollator, ImageTextDataset
 
 
@@ -99,17 +99,8 @@ class ImageTextDataModule(L.LightningDataModule):
 
     def _loader(self, dataset, train: bool) -> StatefulDataLoader:
         rank, dp = self.dp_rank_and_size()
-        sampler = ResumableDistributedSampler(
-            dataset, num_replicas=dp, rank=rank, shuffle=train, seed=self.data_seed, drop_last=train
-        )
-        return StatefulDataLoader(
-            dataset,
-            batch_size=self.micro_batch_size,
-            sampler=sampler,
-            drop_last=train,
-            num_workers=self.num_workers,
-            collate_fn=self.collate,
-            persistent_workers=self.num_workers > 0,
+        return resumable_loader(
+            dataset, self.micro_batch_size, rank, dp, train, self.data_seed, self.num_workers, self.collate
         )
 
     def train_dataloader(self) -> StatefulDataLoader:
