@@ -48,7 +48,12 @@ def torchrun(nproc: int, script: Path, args: list[str], timeout: float = 240) ->
     return _check(proc)
 
 
-def train(nproc: int, data: Path, out: Path, *extra: str, timeout: float = 240) -> dict:
-    """Run ``train_script.py`` and return its JSON record (losses, grad_norms, steps)."""
-    launch(nproc, TRAIN_SCRIPT, ["--data", str(data), "--out", str(out), *extra], timeout=timeout)
+def train(nproc: int, data: Path, out: Path, *extra: str, timeout: float = 240, real_torchrun: bool = False) -> dict:
+    """Run ``train_script.py`` and return its JSON record (losses, grad_norms, steps).
+
+    ``real_torchrun``: fresh interpreters under torchrun instead of forked ranks (tests/gpu: CUDA ranks keep the
+    launcher they were verified with on a GPU machine).
+    """
+    run = torchrun if real_torchrun else launch
+    run(nproc, TRAIN_SCRIPT, ["--data", str(data), "--out", str(out), *extra], timeout=timeout)
     return json.loads(out.read_text())
