@@ -11,6 +11,12 @@ GROUP_RANK, ROLE_*, MASTER_ADDR/PORT, TORCHELASTIC_*; see torch/distributed/elas
 local_elastic_agent.py), so Lightning picks ``TorchElasticEnvironment`` exactly as under torchrun; then the
 script runs as ``__main__`` (``runpy``) with its own ``sys.argv`` and its folder first on ``sys.path``. Like
 torchrun, when one rank fails the others are killed, and a timeout kills them all.
+
+One difference from fresh interpreters: a variable that a preloaded module reads once at import (e.g. libgomp's
+OMP_NUM_THREADS, torch._inductor.config's TORCHINDUCTOR_* flags) comes from the server's environment at its
+start, not from the launch. The tests here pass only variables read at use (TORCHINDUCTOR_CACHE_DIR), and
+OMP_NUM_THREADS is applied in each rank with ``torch.set_num_threads``. A test that needs import-time
+variables, or a process tree of its own (signals to a launcher, CUDA), uses ``launch.torchrun``.
 """
 
 from __future__ import annotations
