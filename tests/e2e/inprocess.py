@@ -3,7 +3,7 @@
 A ``kforge`` subprocess pays ~11 s of imports (torch, Lightning, torchmetrics) before it parses one argument;
 in-process the same ``kempnerforge.cli.main`` runs in well under a second. The result looks like a finished
 subprocess (exit code, stdout, stderr), and what the call changes in this process (working directory,
-environment such as PL_GLOBAL_SEED, RNG states, warning filters) is restored afterwards, so later tests see
+environment such as PL_GLOBAL_SEED, ``sys.argv``, RNG states, warning filters) is restored afterwards, so later tests see
 the process as before. Real ``kforge`` subprocesses remain for the tests that train.
 """
 
@@ -14,6 +14,7 @@ import io
 import os
 import random
 import subprocess
+import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -35,11 +36,12 @@ def kforge_in_process(*args: str, cwd: Path = REPO) -> subprocess.CompletedProce
         wrote there.
     """
     out, err = io.StringIO(), io.StringIO()
-    env, cwd_before = dict(os.environ), os.getcwd()
+    env, cwd_before, argv = dict(os.environ), os.getcwd(), sys.argv
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     code = 0
     try:
         os.chdir(cwd)
+        sys.argv = ["kforge", *args]  # what LightningCLI sees in a real `kforge` process (pytest's otherwise)
         with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 main(list(args))
@@ -52,6 +54,7 @@ def kforge_in_process(*args: str, cwd: Path = REPO) -> subprocess.CompletedProce
                 code = 1
     finally:
         os.chdir(cwd_before)
+        sys.argv = argv
         os.environ.clear()
         os.environ.update(env)
         random.setstate(rng[0])
