@@ -38,7 +38,7 @@ class VideoTextDataModule(MediaTextDataModule):
         fps: ``uniform``'s frames per second, > 0.
         min_frames, max_frames: frames per clip, 1 <= min_frames <= max_frames; ``max_frames`` bounds
             every policy, so the model's ``max_seq_len`` is checked against ``max_frames * n_visual + max_text_len``.
-        num_frames: ``fixed_count``'s frames per clip, <= max_frames.
+        num_frames: ``fixed_count``'s frames per clip, <= max_frames (None: max_frames).
 
     Raises:
         ValueError: a bad argument, naming ``data.<field>`` (at construction); a tokenizer larger than
@@ -64,7 +64,7 @@ class VideoTextDataModule(MediaTextDataModule):
         fps: float = 1.0,
         min_frames: int = 1,
         max_frames: int = 8,
-        num_frames: int = 8,
+        num_frames: int | None = None,
     ) -> None:
         if format not in VIDEO_TEXT_FORMATS:
             raise ValueError(f"data.format={format!r} is not allowed; choose one of {list(VIDEO_TEXT_FORMATS)}.")

@@ -87,6 +87,7 @@ class VideoReader:
     def __init__(self, source: VideoSource, where: str | None = None) -> None:
         av = require_av()
         self.where = where or (str(source) if not isinstance(source, bytes) else "<bytes>")
+        self.frames_decoded = 0  # frames out of the decoder so far (references included): the cost of frames()
         self._errors = (av.error.FFmpegError, OSError, EOFError)
         try:
             self.container = av.open(io.BytesIO(source) if isinstance(source, bytes) else str(source))
@@ -141,10 +142,14 @@ class VideoReader:
         # A cut file keeps its header (with the full duration) and loses its tail, in every stream
         # at once; comparing against the latest end of *any* stream tolerates audio that outlasts video.
         stated = self.container.duration  # microseconds (AV_TIME_BASE), None when the header lacks it
-        if stated is None or len(video_pts) < 2:
+        if stated is None:
             return
         start = (self.container.start_time or 0) / 1e6
-        period = float((video_pts[-1] - video_pts[0]) * self.stream.time_base) / (len(video_pts) - 1)
+        if len(video_pts) > 1:
+            period = float((video_pts[-1] - video_pts[0]) * self.stream.time_base) / (len(video_pts) - 1)
+        else:  # one frame left: the stream's nominal rate, if it states one
+            rate = self.stream.average_rate or self.stream.guessed_rate
+            period = float(1 / rate) if rate else 0.0
         missing = start + stated / 1e6 - end_s
         if missing > max(2 * period, 0.1):
             raise VideoDecodeError(
@@ -184,6 +189,7 @@ class VideoReader:
                 decoded = self.container.decode(self.stream)
             frame = None
             for frame in decoded:
+                self.frames_decoded += 1
                 if frame.pts is None:
                     continue
                 position = frame.pts

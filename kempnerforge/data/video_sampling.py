@@ -51,7 +51,7 @@ class FrameSampling:
         fps: ``uniform``'s target rate in frames per second, > 0.
         min_frames, max_frames: bounds on frames per clip, 1 <= min_frames <= max_frames. A clip
             with fewer frames than ``min_frames`` gives all its frames (frames are never repeated).
-        num_frames: ``fixed_count``'s frames per clip, 1 <= num_frames <= max_frames.
+        num_frames: ``fixed_count``'s frames per clip, 1 <= num_frames <= max_frames (None: max_frames).
 
     Raises:
         ValueError: any of the above violated; the message names the ``data.*`` field.
@@ -61,7 +61,7 @@ class FrameSampling:
     fps: float = 1.0
     min_frames: int = 1
     max_frames: int = 8
-    num_frames: int = 8
+    num_frames: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SAMPLING_POLICIES:
@@ -72,11 +72,13 @@ class FrameSampling:
             raise ValueError(f"data.fps={self.fps} must be > 0 (frames per second).")
         for name in ("min_frames", "max_frames", "num_frames"):
             value = getattr(self, name)
+            if name == "num_frames" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"data.{name}={value!r} must be an integer >= 1.")
         if self.min_frames > self.max_frames:
             raise ValueError(f"data.min_frames={self.min_frames} must be <= data.max_frames={self.max_frames}.")
-        if self.num_frames > self.max_frames:
+        if self.num_frames is not None and self.num_frames > self.max_frames:
             raise ValueError(f"data.num_frames={self.num_frames} must be <= data.max_frames={self.max_frames}.")
 
 
@@ -165,5 +167,6 @@ def uniform(timestamps: Sequence[float], cfg: FrameSampling) -> list[int]:
 
 @register_sampling("fixed_count")
 def fixed_count(timestamps: Sequence[float], cfg: FrameSampling) -> list[int]:
-    """``cfg.num_frames`` frames evenly spaced in time, first and last kept (all frames if the clip has fewer)."""
-    return evenly_spread(timestamps, cfg.num_frames)
+    """``cfg.num_frames`` (default ``max_frames``) frames evenly spaced in time, first and last kept (all
+    frames if the clip has fewer)."""
+    return evenly_spread(timestamps, cfg.num_frames or cfg.max_frames)
