@@ -397,6 +397,7 @@ class VisionLanguage(CausalLM):
         super().__init__(config, optimizer, scheduler, grad_clip, init_seed, loss_chunk_size, z_loss_weight)
         self.vlm_config, self.encoder_config, self.connector_config, self.freeze = vlm, encoder, connector, freeze
         self._skipped_clips: torch.Tensor | None = None  # this rank's count since the run started
+        self._visual_positions: int | None = None  # visual tokens per sample in the last batch
         self.save_hyperparameters(
             {
                 **self.hparams,
@@ -465,6 +466,9 @@ class VisionLanguage(CausalLM):
         apply_freeze(self.model, self.freeze)
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        pixels = batch.get("pixel_values")
+        if pixels is not None:  # for flops_per_token (shapes only: no sync)
+            self._visual_positions = (pixels.shape[1] if pixels.dim() == 5 else 1) * self.model.n_visual
         masks = (batch.get(k) for k in ("text_mask", "visual_mask", "frame_mask"))
         return self.model(batch["input_ids"], batch.get("pixel_values"), *masks)
 
@@ -492,8 +496,31 @@ class VisionLanguage(CausalLM):
         self.log("data/skipped_clips", total.float(), rank_zero_only=True)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Backbone training FLOPs per text token (encoder and connector not counted), FLOP/token."""
-        return self.config.flops_per_token(seq_len)
+        """Backbone training FLOPs per text token, FLOP/token (what MFU counts for a VLM).
+
+        Joint-sequence archs (joint decoder, MoT, MoMa) run every visual position through the decoder
+        blocks too, so a sample costs ``S * (F(S) - head) + seq_len * head`` with ``S`` the positions
+        the arch's self-attention sees (:meth:`VLMBackbone.sequence_length` of the last batch's visual
+        tokens, frames x per-frame tokens for clips), ``F`` the dense decoder's
+        :meth:`ModelConfig.flops_per_token` and ``head = 6 * vocab_size * dim`` (logits are for text
+        positions only); divided by ``seq_len`` text tokens. Not counted: the vision encoder (frozen
+        by default) and connector, and cross-attention blocks (their visual keys and values).
+
+        Raises:
+            ValueError: ``seq_len`` not a positive integer.
+        """
+        per_position = self.config.flops_per_token(seq_len)
+        n_visual = self._visual_positions if self._visual_positions is not None else self.n_visual()
+        if self.model is not None:
+            positions = self.model.backbone.sequence_length(n_visual, seq_len)
+        else:
+            with torch.device("meta"):
+                positions = build_backbone(self.config, self.vlm_config).sequence_length(n_visual, seq_len)
+        if positions == seq_len:
+            return per_position
+        head = 6 * self.config.vocab_size * self.config.dim
+        body = self.config.flops_per_token(positions) - head
+        return (positions * body + seq_len * head) // seq_len
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW over every parameter trainable under the initial spec or any ``FreezeSchedule`` step, with

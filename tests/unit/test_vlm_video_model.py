@@ -140,3 +140,23 @@ def test_skipped_clips_are_summed_and_logged_at_the_log_interval(tmp_path):
     logged = {int(r["step"]): float(r["data/skipped_clips"]) for r in rows if r.get("data/skipped_clips")}
     assert logged == {1: 1.0, 3: 3.0, 5: 6.0}  # cumulative, at steps 2, 4, 6
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize(("arch", "joint"), [("joint_decoder", True), ("mot", True), ("cross_attention", False)])
+def test_flops_per_token_counts_the_visual_positions_a_joint_sequence_runs(arch, joint):
+    """MFU's FLOP count: a joint sequence runs every frame's tokens through the blocks (not the head); a clip of
+    3 frames costs more than an image; cross-attention's self-attention sees text only."""
+    module = VisionLanguage(config=tiny_text(), vlm=tiny_vlm(arch), encoder=tiny_encoder())
+    cfg, text = module.config, 12
+    head = 6 * cfg.vocab_size * cfg.dim
+    image = module.flops_per_token(text)  # before any batch: one image's tokens (16)
+    module.configure_model()
+    module._logits({"input_ids": torch.zeros(1, text, dtype=torch.long), "pixel_values": torch.zeros(1, 3, 3, 32, 32)})
+    clip = module.flops_per_token(text)
+    if not joint:
+        assert image == clip == cfg.flops_per_token(text)
+        return
+    for n_visual, value in ((16, image), (48, clip)):
+        s = n_visual + text
+        assert value == (s * (cfg.flops_per_token(s) - head) + text * head) // text
+    assert clip > image > cfg.flops_per_token(text)
