@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import pairwise
@@ -76,6 +77,11 @@ class VideoReader:
     Args:
         source: a file path (.mp4, .webm, .mkv, ... any container FFmpeg opens) or its bytes.
         where: how error messages name the clip (default: the path, or ``"<bytes>"``).
+
+    Attributes:
+        index: the :class:`VideoIndex` (read at construction).
+        frames_decoded: frames the decoder produced so far, reference frames included (the cost of
+            :meth:`frames`; a full decode of the clip would be ``len(index.pts)``).
 
     Raises:
         ImportError: PyAV missing (see :func:`require_av`).
@@ -202,7 +208,9 @@ class VideoReader:
         return out
 
 
-def read_frames(source: VideoSource, choose: Any, where: str | None = None) -> tuple[list[Image.Image], list[float]]:
+def read_frames(
+    source: VideoSource, choose: Callable[[list[float]], list[int]], where: str | None = None
+) -> tuple[list[Image.Image], list[float]]:
     """Open a clip, pick frames from its timestamps, decode only those.
 
     Args:
