@@ -123,7 +123,7 @@ class VideoReader:
         video, keys, end_s = [], [], 0.0
         try:
             for packet in self.container.demux():
-                if packet.size == 0:  # the demuxer's flush packet
+                if packet.size == 0 or packet.is_discard:  # the flush packet; frames an edit list drops
                     continue
                 if packet.is_corrupt:
                     raise VideoDecodeError(f"the clip {self.where} has a corrupt packet at pts {packet.pts}.")
@@ -139,8 +139,8 @@ class VideoReader:
             raise VideoDecodeError(f"cannot demux the clip {self.where}: {err}") from err
         if not video:
             raise VideoDecodeError(f"the clip {self.where} holds no video frame.")
-        video.sort()
-        keys = sorted(keys) or video[:1]
+        video = sorted(set(video))  # presentation order (B-frames demux out of it); a repeated pts is one frame
+        keys = sorted(set(keys)) or video[:1]
         self._check_not_truncated(video, end_s)
         return VideoIndex(tuple(video), tuple(keys), Fraction(self.stream.time_base))
 
