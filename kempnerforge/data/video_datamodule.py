@@ -23,7 +23,7 @@ class VideoTextDataModule(MediaTextDataModule):
 
     Args:
         source: the dataset path (see :class:`VideoTextDataset`).
-        format: ``csv`` (WebVid), ``jsonl`` or ``parquet``.
+        format: ``csv`` (WebVid), ``jsonl``, ``parquet`` or ``hf`` (a ``save_to_disk`` folder).
         tokenizer: local tokenizer folder (``AutoTokenizer.from_pretrained``; no download).
         max_text_len: text positions per sample (bos + caption tokens; eos is the last label).
         micro_batch_size: clips per step per data-parallel rank.

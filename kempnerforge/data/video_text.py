@@ -25,13 +25,14 @@ from kempnerforge.data.video_decode import VideoDecodeError, read_frames, requir
 from kempnerforge.data.video_sampling import FrameSampling, sample_frames
 
 #: Allowed ``format`` values of :class:`VideoTextDataset`.
-VIDEO_TEXT_FORMATS: tuple[str, ...] = ("csv", "jsonl", "parquet")
+VIDEO_TEXT_FORMATS: tuple[str, ...] = ("csv", "jsonl", "parquet", "hf")
 
 #: Per format, the default (video field, text field, id field). csv is WebVid's ``results_*.csv``.
 DEFAULT_FIELDS: dict[str, tuple[str, str, str]] = {
     "csv": ("contentUrl", "name", "videoid"),
     "jsonl": ("video", "caption", "videoid"),
     "parquet": ("video", "caption", "videoid"),
+    "hf": ("video", "caption", "videoid"),
 }
 
 
@@ -67,6 +68,8 @@ class VideoTextDataset(torch.utils.data.Dataset):
     - ``parquet``: a .parquet file or a folder of them; ``video_field`` holds the container bytes
       (``binary``), a ``{"bytes", "path"}`` struct (the ``datasets`` Video/Image layout) or a path
       relative to the file. Bytes are held in memory. Without ``id_field`` the row number names the clip.
+    - ``hf``: a Hugging Face dataset folder (``Dataset.save_to_disk``; a ``DatasetDict``'s ``train``
+      split) with the same columns as ``parquet``; paths are relative to the folder.
 
     Missing files are found at open time: they are left out with a warning listing them.
 
@@ -74,7 +77,7 @@ class VideoTextDataset(torch.utils.data.Dataset):
     bad clip found to its error; ``skipped`` counts skips made while serving items.
 
     Args:
-        source: the csv / jsonl / parquet path.
+        source: the csv / jsonl / parquet path or the ``save_to_disk`` folder.
         format: one of :data:`VIDEO_TEXT_FORMATS`.
         sampling: which frames to keep (:class:`FrameSampling`).
         video_field, text_field, id_field: record fields (None: the format's default).
@@ -104,7 +107,7 @@ class VideoTextDataset(torch.utils.data.Dataset):
         default = DEFAULT_FIELDS[format]
         fields = (video_field or default[0], text_field or default[1], id_field or default[2])
         self.sampling = sampling or FrameSampling()
-        readers = {"csv": _csv_clips, "jsonl": _jsonl_clips, "parquet": _parquet_clips}
+        readers = {"csv": _csv_clips, "jsonl": _jsonl_clips, "parquet": _parquet_clips, "hf": _hf_clips}
         clips = readers[format](root, *fields)
         if not clips:
             raise VideoDataError(f"data.source={source!r} holds no video-caption record.")
@@ -203,22 +206,41 @@ def _parquet_clips(root: Path, video_field: str, text_field: str, id_field: str)
 
     clips = []
     for file in sorted(root.glob("*.parquet")) if root.is_dir() else [root]:
-        table = pq.read_table(file)
-        for name in (video_field, text_field):
-            if name not in table.column_names:
-                raise VideoDataError(f"{file} has no column {name!r} (columns: {table.column_names}).")
-        videos, texts = table.column(video_field).to_pylist(), table.column(text_field).to_pylist()
-        ids = table.column(id_field).to_pylist() if id_field in table.column_names else None
-        for row, (video, text) in enumerate(zip(videos, texts, strict=True)):
-            clip_id = str(ids[row]) if ids is not None else f"{file.name} row {row}"
-            if isinstance(video, dict):  # datasets' {"bytes", "path"} struct
-                video = video.get("bytes") or video.get("path")
-            if isinstance(video, bytes) and video:
-                clips.append(_Clip(clip_id, str(text), data=video))
-            elif isinstance(video, str) and video:
-                clips.append(_Clip(clip_id, str(text), path=_resolve(file, video)))
-            else:
-                raise VideoDataError(f"{file} row {row}: column {video_field!r} holds neither video bytes nor a path.")
+        clips += _table_clips(pq.read_table(file), file.parent, str(file), video_field, text_field, id_field)
+    return clips
+
+
+def _hf_clips(root: Path, video_field: str, text_field: str, id_field: str) -> list[_Clip]:
+    import datasets
+
+    data = datasets.load_from_disk(str(root))
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise VideoDataError(f"{root} is a DatasetDict without a 'train' split (splits: {list(data)}).")
+        data = data["train"]
+    # The Arrow table as saved (no feature decoding): bytes or paths stay as they are.
+    return _table_clips(data.data.table, root, str(root), video_field, text_field, id_field)
+
+
+def _table_clips(table, base: Path, where: str, video_field: str, text_field: str, id_field: str) -> list[_Clip]:
+    """Rows of an Arrow table (from ``where``): ``video_field`` bytes, a ``{"bytes", "path"}`` struct or a path
+    (relative to the folder ``base``); the clip is named by ``id_field`` when present, else by its row."""
+    for column in (video_field, text_field):
+        if column not in table.column_names:
+            raise VideoDataError(f"{where} has no column {column!r} (columns: {table.column_names}).")
+    videos, texts = table.column(video_field).to_pylist(), table.column(text_field).to_pylist()
+    ids = table.column(id_field).to_pylist() if id_field in table.column_names else None
+    clips = []
+    for row, (video, text) in enumerate(zip(videos, texts, strict=True)):
+        clip_id = str(ids[row]) if ids is not None else f"{Path(where).name} row {row}"
+        if isinstance(video, dict):  # datasets' {"bytes", "path"} struct
+            video = video.get("bytes") or video.get("path")
+        if isinstance(video, bytes) and video:
+            clips.append(_Clip(clip_id, str(text), data=video))
+        elif isinstance(video, str) and video:
+            clips.append(_Clip(clip_id, str(text), path=base / video))
+        else:
+            raise VideoDataError(f"{where} row {row}: column {video_field!r} holds neither video bytes nor a path.")
     return clips
 
 

@@ -32,11 +32,16 @@ def collator(max_text_len: int = 16) -> VideoTextCollator:
     return VideoTextCollator(AutoTokenizer.from_pretrained(GPT2), build_image_processor(tiny_encoder()), max_text_len)
 
 
-def test_webvid_csv_jsonl_and_parquet_give_the_same_clips():
+def test_webvid_csv_jsonl_parquet_and_hf_folder_give_the_same_clips(tmp_path):
+    import datasets
+    import pyarrow.parquet as pq
+
+    datasets.Dataset(pq.read_table(VIDEO_PARQUET)).save_to_disk(str(tmp_path / "hf"))  # no HF cache written
     sets = [
         VideoTextDataset(str(VIDEOS / "results.csv"), "csv", FIRST_LAST),
         VideoTextDataset(str(VIDEOS / "captions.jsonl"), "jsonl", FIRST_LAST),
         VideoTextDataset(str(VIDEO_PARQUET), "parquet", FIRST_LAST),
+        VideoTextDataset(str(tmp_path / "hf"), "hf", FIRST_LAST),
     ]
     csv_items = [sets[0][i] for i in range(3)]
     assert [x["clip_id"] for x in csv_items] == ["1000001", "1000002", "1000003"]
@@ -142,7 +147,7 @@ def test_only_bad_clips_raise_naming_them(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"format": "mkv"}, "data.format='mkv' is not allowed; choose one of \\['csv', 'jsonl', 'parquet'\\]"),
+        ({"format": "mkv"}, "data.format='mkv' is not allowed; choose one of \\['csv', 'jsonl', 'parquet', 'hf'\\]"),
         ({"sampling": "random"}, "data.sampling='random' is not registered; choose one of \\['fixed_count', 'uniform'"),
         ({"fps": 0}, "data.fps=0 must be > 0"),
         ({"min_frames": 5, "max_frames": 4}, "data.min_frames=5 must be <= data.max_frames=4"),
