@@ -353,9 +353,12 @@ class VisionLanguage(CausalLM):
     :class:`~kempnerforge.model.vlm.model.VisionLanguageModel`, feeds it pixels and masks, applies
     the freeze spec and holds every ever-trainable parameter in the optimizer.
 
-    Batches (:class:`~kempnerforge.data.image_text.ImageTextCollator`): ``input_ids``, ``labels``
-    (batch, text) int64 (-100 at padding), ``text_mask`` (batch, text) bool, ``pixel_values``
-    (batch, 3, H, W) fp32.
+    Batches (:class:`~kempnerforge.data.image_text.ImageTextCollator` or the video collator):
+    ``input_ids``, ``labels`` (batch, text) int64 (-100 at padding), ``text_mask`` (batch, text)
+    bool, ``pixel_values`` (batch, 3, H, W) fp32 images or (batch, frames, 3, H, W) clips with
+    ``frame_mask`` (batch, frames) bool, and optionally ``skipped_clips`` (0-dim int64: unreadable
+    clips the data skipped for this batch), summed over data-parallel ranks and logged as
+    ``data/skipped_clips`` (cumulative) at the trainer's log interval.
 
     Args:
         config: the text backbone (``--model.config.*``); ``max_seq_len`` must cover the positions the
@@ -393,6 +396,8 @@ class VisionLanguage(CausalLM):
             )
         super().__init__(config, optimizer, scheduler, grad_clip, init_seed, loss_chunk_size, z_loss_weight)
         self.vlm_config, self.encoder_config, self.connector_config, self.freeze = vlm, encoder, connector, freeze
+        self._skipped_clips: torch.Tensor | None = None  # this rank's count since the run started
+        self._visual_positions: int | None = None  # visual tokens per sample in the last batch
         self.save_hyperparameters(
             {
                 **self.hparams,
@@ -434,15 +439,17 @@ class VisionLanguage(CausalLM):
         return connector_tokens(self.connector_config, grid, width)
 
     def setup(self, stage: str) -> None:
-        """Check that the data's text length fits ``max_seq_len`` for the arch, before the model is built.
+        """Check that the data's visual and text lengths fit ``max_seq_len`` for the arch, before the model
+        is built (a video datamodule's ``max_frames`` multiplies the visual tokens per frame).
 
         Raises:
-            ValueError: ``sequence_length(n_visual, max_text_len) > max_seq_len`` (names both numbers).
+            ValueError: ``sequence_length(max_frames * n_visual, max_text_len) > max_seq_len`` (names the numbers).
         """
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         max_text = getattr(datamodule, "max_text_len", None)
         if max_text is not None:
-            check_vlm_lengths(self.config, self.vlm_config, self.n_visual(), max_text)
+            frames = getattr(datamodule, "max_frames", None) or 1
+            check_vlm_lengths(self.config, self.vlm_config, self.n_visual(), max_text, frames)
 
     def image_processor(self):
         """The image processor matching the encoder (see :func:`~kempnerforge.model.vision.build_image_processor`)."""
@@ -459,17 +466,61 @@ class VisionLanguage(CausalLM):
         apply_freeze(self.model, self.freeze)
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(
-            batch["input_ids"], batch.get("pixel_values"), batch.get("text_mask"), batch.get("visual_mask")
-        )
+        pixels = batch.get("pixel_values")
+        if pixels is not None:  # for flops_per_token (shapes only: no sync)
+            self._visual_positions = (pixels.shape[1] if pixels.dim() == 5 else 1) * self.model.n_visual
+        masks = (batch.get(k) for k in ("text_mask", "visual_mask", "frame_mask"))
+        return self.model(batch["input_ids"], batch.get("pixel_values"), *masks)
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, **masks: Any) -> torch.Tensor:
-        """Logits (batch, text, vocab_size) as a plain tensor (see :class:`VisionLanguageModel`)."""
-        return to_full(self.model(input_ids, pixel_values, masks.get("text_mask"), masks.get("visual_mask")))
+        """Logits (batch, text, vocab_size) as a plain tensor (see :class:`VisionLanguageModel`); ``masks``:
+        ``text_mask``, ``visual_mask``, ``frame_mask``."""
+        return to_full(self._logits({"input_ids": input_ids, "pixel_values": pixel_values, **masks}))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """:meth:`CausalLM.training_step`, plus the count of clips the data skipped (``data/skipped_clips``)."""
+        if "skipped_clips" in batch:
+            self._log_skipped_clips(batch["skipped_clips"])
+        return super().training_step(batch, batch_idx)
+
+    def _log_skipped_clips(self, skipped: torch.Tensor) -> None:
+        # Kept on the device and summed over dp ranks only at the log interval: no per-step host sync.
+        count = skipped.detach().to(torch.long).sum()
+        self._skipped_clips = count if self._skipped_clips is None else self._skipped_clips + count
+        if (self.trainer.global_step + 1) % max(1, self.trainer.log_every_n_steps):
+            return
+        total = self._skipped_clips.clone()
+        group = self._dp_group()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        self.log("data/skipped_clips", total.float(), rank_zero_only=True)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Backbone training FLOPs per text token (encoder and connector not counted), FLOP/token."""
-        return self.config.flops_per_token(seq_len)
+        """Backbone training FLOPs per text token, FLOP/token (what MFU counts for a VLM).
+
+        Joint-sequence archs (joint decoder, MoT, MoMa) run every visual position through the decoder
+        blocks too, so a sample costs ``S * (F(S) - head) + seq_len * head`` with ``S`` the positions
+        the arch's self-attention sees (:meth:`VLMBackbone.sequence_length` of the last batch's visual
+        tokens, frames x per-frame tokens for clips), ``F`` the dense decoder's
+        :meth:`ModelConfig.flops_per_token` and ``head = 6 * vocab_size * dim`` (logits are for text
+        positions only); divided by ``seq_len`` text tokens. Not counted: the vision encoder (frozen
+        by default) and connector, and cross-attention blocks (their visual keys and values).
+
+        Raises:
+            ValueError: ``seq_len`` not a positive integer.
+        """
+        per_position = self.config.flops_per_token(seq_len)
+        n_visual = self._visual_positions if self._visual_positions is not None else self.n_visual()
+        if self.model is not None:
+            positions = self.model.backbone.sequence_length(n_visual, seq_len)
+        else:
+            with torch.device("meta"):
+                positions = build_backbone(self.config, self.vlm_config).sequence_length(n_visual, seq_len)
+        if positions == seq_len:
+            return per_position
+        head = 6 * self.config.vocab_size * self.config.dim
+        body = self.config.flops_per_token(positions) - head
+        return (positions * body + seq_len * head) // seq_len
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW over every parameter trainable under the initial spec or any ``FreezeSchedule`` step, with
@@ -504,19 +555,22 @@ def encoder_grid_and_width(cfg: VisionEncoderConfig) -> tuple[tuple[int, int], i
     return (side, side), hf.hidden_size
 
 
-def check_vlm_lengths(text: ModelConfig, vlm: VLMConfig, n_visual: int, max_text_len: int) -> int:
-    """Positions the arch's self-attention sees for ``n_visual`` visual and ``max_text_len`` text tokens.
+def check_vlm_lengths(text: ModelConfig, vlm: VLMConfig, n_visual: int, max_text_len: int, max_frames: int = 1) -> int:
+    """Positions the arch's self-attention sees for ``max_frames x n_visual`` visual and ``max_text_len``
+    text tokens (``n_visual`` per image or frame; ``max_frames`` 1 for images).
 
     Raises:
         ValueError: more than ``text.max_seq_len`` (the RoPE tables end there); names the numbers.
     """
     with torch.device("meta"):
         backbone = build_backbone(text, vlm)
-    seq = backbone.sequence_length(n_visual, max_text_len)
+    seq = backbone.sequence_length(max_frames * n_visual, max_text_len)
     if seq > text.max_seq_len:
+        visual = f"{n_visual} visual" if max_frames == 1 else f"data.max_frames={max_frames} x {n_visual} visual"
         raise ValueError(
-            f"vlm.arch={vlm.arch!r} sees {seq} positions ({n_visual} visual + {max_text_len} text tokens per "
+            f"vlm.arch={vlm.arch!r} sees {seq} positions ({visual} + {max_text_len} text tokens per "
             f"sample, data.max_text_len) but model.config.max_seq_len={text.max_seq_len}: raise max_seq_len to "
-            f">= {seq} or lower data.max_text_len / the connector's token count."
+            f">= {seq} or lower data.max_text_len / the connector's token count"
+            + (" / data.max_frames." if max_frames > 1 else ".")
         )
     return seq

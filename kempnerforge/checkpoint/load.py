@@ -4,7 +4,9 @@ Inference, export and evaluation tools run in one process: no ``init_process_gro
 size and mesh (FSDP2, TP, EP) the checkpoint was saved with. ``torch.distributed.checkpoint.load``
 runs without any collective in its ``no_dist`` mode and reads each
 requested tensor whole from whichever shards hold its pieces, as ``dcp_to_torch_save`` does, but
-only the model's keys: optimizer moments are never read.
+only the model's keys: optimizer moments are never read. One exception: a Schedule-Free run's
+checkpoint holds the training point ``y``, so its ``z`` sequence is read too and the tools get the
+averaged weights ``x`` that Schedule-Free evaluates (:func:`schedule_free_eval_weights_`).
 """
 
 from __future__ import annotations
@@ -130,6 +132,46 @@ def load_model_state(model: torch.nn.Module, resolved: Path, tied_head: str | No
     model.load_state_dict(loaded, strict=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    schedule_free_eval_weights_(model, resolved)
+
+
+@torch.no_grad()
+def schedule_free_eval_weights_(model: torch.nn.Module, resolved: Path) -> bool:
+    """Turn a Schedule-Free checkpoint's training weights ``y`` into the averaged weights ``x``, in place.
+
+    Schedule-Free AdamW (Defazio et al. 2024, arXiv:2405.15682; the ``schedulefree`` package) trains at
+    ``y = (1 - beta1) z + beta1 x`` and evaluates ``x``; Lightning checkpoints are written in train mode,
+    so the saved model is ``y``. This applies the package's own ``eval()`` step to every parameter the
+    optimizer held (``y.lerp_(z, 1 - 1 / beta1)``, bitwise what validation sees); frozen parameters and
+    parameters saved in eval mode (``train_mode`` False) stay as saved. Other optimizers: no-op.
+
+    Args:
+        model: the loaded model (plain tensors), FQNs as under the LightningModule's ``model``.
+        resolved: the checkpoint directory.
+
+    Returns:
+        True when the weights were averaged.
+    """
+    meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
+    optimizer = (meta.get("hyper_parameters") or {}).get("optimizer") or {}
+    if optimizer.get("name") != "schedule_free_adamw":
+        return False
+    saved = dcp.FileSystemReader(resolved).read_metadata().state_dict_metadata
+    params = {n: p for n, p in model.named_parameters() if f"optimizer_0.state.model.{n}.z" in saved}
+    state = {
+        "optimizer_0": {
+            **{f"state.model.{n}.z": torch.empty_like(p) for n, p in params.items()},
+            **{f"param_groups.model.{n}.train_mode": True for n in params},
+            **{f"param_groups.model.{n}.betas": (0.0, 0.0) for n in params},
+        }
+    }
+    dcp.load(state, checkpoint_id=resolved, no_dist=True)
+    loaded = state["optimizer_0"]
+    for name, param in params.items():
+        if loaded[f"param_groups.model.{name}.train_mode"]:
+            beta1 = loaded[f"param_groups.model.{name}.betas"][0]
+            param.lerp_(loaded[f"state.model.{name}.z"], 1 - 1 / beta1)
+    return True
 
 
 def is_vlm_checkpoint(path: str | Path) -> bool:

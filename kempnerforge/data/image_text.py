@@ -163,7 +163,13 @@ class ImageTextCollator:
         return [self.bos_id, *ids, self.eos_id]
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        seqs = [self.token_ids(s["caption"]) for s in samples]
+        batch = self.text_batch([s["caption"] for s in samples])
+        pixels = self.processor(images=[s["image"] for s in samples], return_tensors="pt")["pixel_values"]
+        return {**batch, "pixel_values": pixels.float()}
+
+    def text_batch(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """The text half of a batch: ``input_ids``, ``labels`` (batch, text) int64, ``text_mask`` (batch, text) bool."""
+        seqs = [self.token_ids(c) for c in captions]
         width = max(len(s) for s in seqs) - 1
         input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
@@ -173,5 +179,4 @@ class ImageTextCollator:
             input_ids[i, :n] = torch.tensor(ids[:-1])
             labels[i, :n] = torch.tensor(ids[1:])
             text_mask[i, :n] = True
-        pixels = self.processor(images=[s["image"] for s in samples], return_tensors="pt")["pixel_values"]
-        return {"input_ids": input_ids, "labels": labels, "text_mask": text_mask, "pixel_values": pixels.float()}
+        return {"input_ids": input_ids, "labels": labels, "text_mask": text_mask}

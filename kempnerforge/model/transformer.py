@@ -7,26 +7,19 @@ checkpoint FQNs and the HF key mapping (``kempnerforge.checkpoint.hf_llama``).
 
 from __future__ import annotations
 
-import math
-import re
-
 import torch
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention, document_causal_mask
-from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
+from kempnerforge.model.decoder_init import init_decoder_
+from kempnerforge.model.init import canonical_fqn
 from kempnerforge.model.mlp import FeedForward
-from kempnerforge.model.moe import GroupedExperts, MoE
+from kempnerforge.model.moe import MoE
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.training.chunked_ce import chunked_linear_cross_entropy_sum
-
-# Projections that write into the residual stream; scaled down by 1/sqrt(2 * n_layers) at init so
-# the residual variance does not grow with depth (GPT-2 / torchtitan practice). MoE: every expert's w2.
-_RESIDUAL_OUT = ("attention.wo", "feed_forward.w2", "moe.experts.w2")
-_SHARED_EXPERT_OUT = re.compile(r"moe\.shared_experts\.\d+\.w2$")
 
 
 class TransformerBlock(nn.Module):
@@ -164,45 +157,12 @@ class Transformer(nn.Module):
         FSDP2/TP sharding (DTensors receive only their local shard). A tied embedding is initialized
         once, under the embedding's FQN.
 
+        The rules live in :func:`~kempnerforge.model.decoder_init.init_decoder_` (shared with the VLM backbones).
+
         Raises:
             RuntimeError: if a parameter is not covered by the rules above (a new module type).
         """
-        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, "cpu")
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-        std = self.config.init_std
-        done: set[int] = set()
-        for name, module in self.named_modules():
-            if isinstance(module, GroupedExperts):
-                self._init_experts(module, name, seed)
-                done.update(id(p) for p in module.parameters())
-                continue
-            if isinstance(module, MoE):
-                module.router.expert_bias.zero_()
-            if isinstance(module, RMSNorm):
-                p_std = None
-            elif isinstance(module, nn.Linear | nn.Embedding):
-                fqn = canonical_fqn(name)
-                residual_out = fqn.endswith(_RESIDUAL_OUT) or _SHARED_EXPERT_OUT.search(fqn) is not None
-                p_std = std / math.sqrt(2 * self.config.n_layers) if residual_out else std
-            else:
-                continue
-            if id(module.weight) in done:  # tied output head: already initialized as the embedding
-                continue
-            if p_std is None:
-                ones_init_(module.weight)
-            else:
-                trunc_normal_init_(module.weight, f"{name}.weight", seed, p_std)
-            done.add(id(module.weight))
-        missed = [n for n, p in self.named_parameters() if id(p) not in done]
-        if missed:
-            raise RuntimeError(f"Transformer.init_weights has no rule for parameters {missed}")
-
-    def _init_experts(self, experts: GroupedExperts, name: str, seed: int) -> None:
-        std = self.config.init_std
-        for pname in ("w1", "w2", "w3"):
-            p_std = std / math.sqrt(2 * self.config.n_layers) if pname == "w2" else std
-            trunc_normal_init_(getattr(experts, pname), f"{name}.{pname}", seed, p_std)
+        init_decoder_(self, self.config, seed)
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE modules by canonical FQN (``layers.1.moe``, ...), found through any wrapper

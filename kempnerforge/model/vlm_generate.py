@@ -1,6 +1,6 @@
-"""Image-conditioned generation for vision-language models (``kforge generate --image``).
+"""Image- or clip-conditioned generation for vision-language models (``kforge generate --image / --video``).
 
-The image becomes visual tokens (encoder -> connector), then:
+The image (or each frame of a clip) becomes visual tokens (encoder -> connector), then:
 
 - ``joint_decoder``: its backbone is the dense decoder with the visual tokens as a prefix, so the
   KV-cache decoder of :mod:`kempnerforge.model.generate` runs it as is (``prefix_embeds``).
@@ -48,7 +48,8 @@ def generate_with_image(
     Args:
         model: a :class:`~kempnerforge.model.vlm.model.VisionLanguageModel` in eval mode.
         prompts: token ids per row (no padding).
-        pixel_values: (batch, 3, H, W) fp32 from the encoder's image processor (one image per row).
+        pixel_values: (batch, 3, H, W) fp32 from the encoder's image processor (one image per row), or
+            (batch, frames, 3, H, W) for one clip per row (``frames x n_visual`` visual tokens).
         sampling: greedy / temperature / top-k / top-p and ``max_new_tokens``.
         eos_token_id: ends a row (included in its output); None never stops early.
         pad_token_id: fills rows after their EOS.

@@ -3,6 +3,7 @@
     kforge generate --ckpt checkpoints/debug --prompt "ROMEO:" --prompt "JULIET:" --max_new_tokens 50
     kforge generate --ckpt checkpoints/debug --interactive --temperature 0.8 --top_p 0.95
     kforge generate --ckpt checkpoints/vlm_jd --image photo.jpg --prompt "A photo of"
+    kforge generate --ckpt checkpoints/vlm_video --video clip.webm --prompt "A"
 
 The checkpoint may have been saved by any number of processes (DCP reads it whole, see
 :mod:`kempnerforge.checkpoint.load`). Decoding uses the KV cache of :mod:`kempnerforge.model.generate`.
@@ -39,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--ignore_eos", action="store_true", help="always generate max_new_tokens")
     p.add_argument("--image", default=None, help="image file for a vision-language checkpoint (every prompt sees it)")
+    p.add_argument(
+        "--video",
+        default=None,
+        help="video clip (.mp4, .webm, ...) for a vision-language checkpoint: frames sampled as in training "
+        "(the checkpoint's data.sampling / fps / min_frames / max_frames), every prompt sees them",
+    )
     return p
 
 
@@ -88,12 +95,14 @@ def generate_main(argv: list[str] | None = None) -> None:
         dtype = dtype_from_name(args.dtype)
     except ValueError as err:
         parser.error(str(err))
+    if args.image is not None and args.video is not None:
+        parser.error("give --image or --video, not both")
     if is_vlm_checkpoint(args.ckpt):
-        if args.image is None:
-            parser.error("this is a vision-language checkpoint: give --image PATH")
+        if args.image is None and args.video is None:
+            parser.error("this is a vision-language checkpoint: give --image PATH or --video PATH")
         return _generate_vlm(args, sampling)
-    if args.image is not None:
-        parser.error("--image needs a vision-language checkpoint (kempnerforge.module.VisionLanguage)")
+    if args.image is not None or args.video is not None:
+        parser.error("--image / --video need a vision-language checkpoint (kempnerforge.module.VisionLanguage)")
     loaded = load_checkpoint_model(args.ckpt, device=args.device, dtype=dtype)
     tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer)
     print(f"loaded {loaded.path} ({loaded.config.num_params() / 1e6:.1f}M parameters) on {args.device}")
@@ -106,9 +115,8 @@ def generate_main(argv: list[str] | None = None) -> None:
 
 
 def _generate_vlm(args: argparse.Namespace, sampling: SamplingConfig) -> None:
-    """``--image``: one image for every prompt, through :func:`~kempnerforge.model.vlm_generate.generate_with_image`."""
-    from PIL import Image
-
+    """``--image`` / ``--video``: one image or clip for every prompt, through
+    :func:`~kempnerforge.model.vlm_generate.generate_with_image` (a clip is ``frames x n_visual`` tokens)."""
     from kempnerforge.config.vision import VisionEncoderConfig
     from kempnerforge.model.vision import build_image_processor
     from kempnerforge.model.vlm_generate import generate_with_image
@@ -116,16 +124,43 @@ def _generate_vlm(args: argparse.Namespace, sampling: SamplingConfig) -> None:
     loaded = load_vlm_checkpoint(args.ckpt, device=args.device)
     tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer)
     processor = build_image_processor(VisionEncoderConfig(**loaded.meta["hyper_parameters"]["encoder"]))
-    try:
-        image = Image.open(args.image).convert("RGB")
-    except OSError as err:
-        raise SystemExit(f"kforge generate: cannot read --image {args.image!r}: {err}") from err
+    frames = _video_frames(args.video, loaded.meta) if args.video is not None else [_image(args.image)]
     print(f"loaded {loaded.path} ({loaded.config.num_params() / 1e6:.1f}M backbone parameters) on {args.device}")
     prompts = list(args.prompt) if args.prompt else [line for line in _lines(sys.stdin)]
-    pixels = processor(images=[image] * len(prompts), return_tensors="pt")["pixel_values"].float().to(args.device)
+    pixels = processor(images=frames, return_tensors="pt")["pixel_values"].float().to(args.device)
+    if args.video is not None:  # one clip (1, frames, 3, H, W), the same for every prompt
+        pixels = pixels[None].expand(len(prompts), *pixels.shape)
+    else:
+        pixels = pixels.expand(len(prompts), *pixels.shape[1:])
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     out = generate_with_image(loaded.model, [tokenizer.encode(p) for p in prompts], pixels, sampling, eos, pad)
     for i, prompt in enumerate(prompts):
         print(f"--- [{i}] {prompt}{tokenizer.decode(out.row(i))}")
     print(f"generated {int(out.lengths.sum())} tokens in {out.seconds:.2f} s ({out.tokens_per_s:.1f} tokens/s)")
+
+
+def _image(path: str):
+    from PIL import Image
+
+    try:
+        return Image.open(path).convert("RGB")
+    except OSError as err:
+        raise SystemExit(f"kforge generate: cannot read --image {path!r}: {err}") from err
+
+
+def _video_frames(path: str, meta: dict) -> list:
+    """The clip's frames chosen as the checkpoint's training data chose them (defaults without a video datamodule)."""
+    from kempnerforge.data.video_decode import VideoDecodeError, read_frames
+    from kempnerforge.data.video_sampling import FrameSampling, sample_frames
+
+    data = meta.get("datamodule_hyper_parameters") or {}
+    keys = {"sampling": "policy", "fps": "fps", "min_frames": "min_frames", "max_frames": "max_frames"}
+    cfg = FrameSampling(**{field: data[key] for key, field in keys.items() if key in data},
+                        num_frames=data.get("num_frames"))  # fmt: skip
+    try:
+        frames, times = read_frames(path, lambda ts: sample_frames(ts, cfg), where=path)
+    except (VideoDecodeError, OSError) as err:
+        raise SystemExit(f"kforge generate: cannot decode --video {path!r}: {err}") from err
+    print(f"--video {path}: {len(frames)} frames at {', '.join(f'{t:.2f}' for t in times)} s ({cfg.policy})")
+    return frames

@@ -24,11 +24,12 @@ def test_recipe_instantiates(path, tmp_path, monkeypatch):
     seq_len = getattr(cli.datamodule, "seq_len", None)
     if seq_len is not None:
         assert seq_len <= cli.model.config.max_seq_len
-    else:  # VLM recipes: visual + text positions per arch fit max_seq_len
+    else:  # VLM recipes: visual (x frames for video) + text positions per arch fit max_seq_len
         from kempnerforge.module import check_vlm_lengths
 
         n_visual = cli.model.n_visual() if cli.model.encoder_config.pretrained_path is None else 0
-        check_vlm_lengths(cli.model.config, cli.model.vlm_config, n_visual, cli.datamodule.max_text_len)
+        frames = getattr(cli.datamodule, "max_frames", 1)
+        check_vlm_lengths(cli.model.config, cli.model.vlm_config, n_visual, cli.datamodule.max_text_len, frames)
 
 
 def test_there_is_at_least_the_debug_recipe():

@@ -98,3 +98,47 @@ def test_kforge_generate_image_on_a_trained_checkpoint(tmp_path):
     assert f"--- [0] A photo of{tok.decode(out.row(0))}" in printed
     with pytest.raises(SystemExit):  # a VLM checkpoint needs an image
         main(["generate", "--ckpt", str(tmp_path), "--prompt", "x"])
+
+
+def test_kforge_generate_video_samples_frames_as_training_did(tmp_path):
+    """One step on the bundled clips writes a checkpoint; `kforge generate --video` decodes the clip with the
+    checkpoint's frame sampling and prints what the library generates from those frames."""
+    from kempnerforge.checkpoint.load import load_vlm_checkpoint
+    from kempnerforge.cli import main
+    from kempnerforge.data.video_datamodule import VideoTextDataModule
+    from kempnerforge.data.video_decode import read_frames
+    from kempnerforge.data.video_sampling import FrameSampling, sample_frames
+    from kempnerforge.model.vision import build_image_processor
+    from kempnerforge.module import VisionLanguage
+    from kempnerforge.strategies import KempnerStrategy
+
+    videos = GPT2.parents[2] / "data" / "videos"
+    text = tiny_text(vocab_size=50257, max_seq_len=96, tie=True)
+    module = VisionLanguage(text, tiny_vlm("joint_decoder"), tiny_encoder(), tiny_connector())
+    data = VideoTextDataModule(source=str(videos / "results.csv"), tokenizer=str(GPT2), max_text_len=16,
+                               micro_batch_size=1, sampling="fixed_count", max_frames=3)  # fmt: skip
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="s{step}", auto_insert_metric_name=False, every_n_train_steps=1)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=KempnerStrategy(), max_steps=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt])  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    clip = videos / "clips" / "1000002.mp4"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["generate", "--ckpt", str(tmp_path), "--video", str(clip), "--prompt", "A", "--prompt", "In a",
+              "--max_new_tokens", "4", "--ignore_eos"])  # fmt: skip
+    printed = buf.getvalue()
+    frames, times = read_frames(clip, lambda ts: sample_frames(ts, FrameSampling("fixed_count", max_frames=3)))
+    assert len(frames) == 3 and times[0] == 0.0  # fixed_count keeps both endpoints
+    assert f"--video {clip}: 3 frames at {', '.join(f'{t:.2f}' for t in times)} s (fixed_count)" in printed
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(GPT2))
+    pixels = build_image_processor(tiny_encoder())(images=frames, return_tensors="pt")["pixel_values"].float()
+    pixels = pixels[None].expand(2, *pixels.shape)
+    out = generate_with_image(load_vlm_checkpoint(tmp_path).model, [tok.encode("A"), tok.encode("In a")], pixels,
+                              SamplingConfig(max_new_tokens=4))  # fmt: skip
+    assert f"--- [0] A{tok.decode(out.row(0))}" in printed and f"--- [1] In a{tok.decode(out.row(1))}" in printed
+    with pytest.raises(SystemExit):
+        main(["generate", "--ckpt", str(tmp_path), "--video", str(videos / "README.md"), "--prompt", "x"])
+    with pytest.raises(SystemExit):
+        main(["generate", "--ckpt", str(tmp_path), "--video", str(clip), "--image", str(clip), "--prompt", "x"])

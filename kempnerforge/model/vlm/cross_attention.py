@@ -14,8 +14,6 @@ The text parts keep the dense decoder's module names, so a text checkpoint loads
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,19 +21,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
-from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
+from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.mlp import FeedForward
-from kempnerforge.model.moe import GroupedExperts, MoE
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
-from kempnerforge.model.transformer import _RESIDUAL_OUT, _SHARED_EXPERT_OUT, Transformer, TransformerBlock
+from kempnerforge.model.transformer import Transformer, TransformerBlock
 from kempnerforge.model.vlm.base import VLMBackbone, register_arch
 from kempnerforge.model.vlm.joint_decoder import load_matching_state
 from kempnerforge.parallel.activation_checkpoint import register_checkpointable_block
 
 #: Cross-attention projections that write into the residual stream (scaled init like ``attention.wo``).
-_CROSS_RESIDUAL_OUT = ("cross_attention.wo", "cross_feed_forward.w2")
 
 
 class CrossAttention(nn.Module):
@@ -127,7 +123,6 @@ class CrossAttentionDecoder(VLMBackbone):
     """
 
     tie_weights = Transformer.tie_weights
-    _init_experts = Transformer._init_experts
 
     def __init__(self, text: ModelConfig, vlm: VLMConfig) -> None:
         super().__init__(text, vlm)
@@ -216,31 +211,10 @@ class CrossAttentionDecoder(VLMBackbone):
         Raises:
             RuntimeError: a parameter no rule covers.
         """
-        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, "cpu")
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-        std, residual_std = self.config.init_std, self.config.init_std / math.sqrt(2 * self.config.n_layers)
-        done: set[int] = set()
-        for name, module in self.named_modules():
-            if isinstance(module, GroupedExperts):
-                self._init_experts(module, name, seed)
-                done.update(id(p) for p in module.parameters())
-            elif isinstance(module, MoE):
-                module.router.expert_bias.zero_()
-            elif isinstance(module, CrossAttentionDecoderLayer) and module.has_cross:
-                module.cross_attention_gate.zero_()
-                module.cross_ffn_gate.zero_()
-                done.update({id(module.cross_attention_gate), id(module.cross_ffn_gate)})
-            if isinstance(module, RMSNorm):
-                ones_init_(module.weight)
-            elif isinstance(module, nn.Linear | nn.Embedding) and id(module.weight) not in done:
-                fqn = canonical_fqn(name)
-                residual = fqn.endswith(_RESIDUAL_OUT + _CROSS_RESIDUAL_OUT) or _SHARED_EXPERT_OUT.search(fqn)
-                p_std = residual_std if residual else std
-                trunc_normal_init_(module.weight, f"{name}.weight", seed, p_std)
-            else:
-                continue
-            done.add(id(module.weight))
-        missed = [n for n, p in self.named_parameters() if id(p) not in done]
-        if missed:
-            raise RuntimeError(f"CrossAttentionDecoder.init_weights has no rule for parameters {missed}")
+        gates: set[int] = set()
+        for layer in self.modules():  # through any AC / compile wrapper
+            if isinstance(layer, CrossAttentionDecoderLayer) and layer.has_cross:
+                layer.cross_attention_gate.zero_()
+                layer.cross_ffn_gate.zero_()
+                gates |= {id(layer.cross_attention_gate), id(layer.cross_ffn_gate)}
+        init_decoder_(self, self.config, seed, done=gates)

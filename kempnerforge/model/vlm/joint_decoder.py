@@ -56,7 +56,6 @@ class JointDecoder(VLMBackbone):
 
     # The dense decoder's weight init and tying apply unchanged (same module names and types).
     init_weights = Transformer.init_weights
-    _init_experts = Transformer._init_experts
     tie_weights = Transformer.tie_weights
 
     def __init__(self, text: ModelConfig, vlm: VLMConfig) -> None:

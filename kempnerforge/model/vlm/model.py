@@ -23,11 +23,18 @@ from kempnerforge.model.vlm.base import VLMBackbone, build_backbone
 
 
 class VisionLanguageModel(nn.Module):
-    """Images and text in, text logits out.
+    """Images or video clips and text in, text logits out.
 
-    Shapes: forward(input_ids (batch, text) int64, pixel_values (batch, 3, H, W) or None, text_mask
-    (batch, text) bool or None, visual_mask (batch, n_visual) bool or None) -> logits (batch, text,
-    vocab_size). ``n_visual`` is :attr:`n_visual` tokens per image (the connector's count).
+    Shapes: forward(input_ids (batch, text) int64, pixel_values (batch, 3, H, W) or (batch, frames,
+    3, H, W) or None, text_mask (batch, text) bool or None, visual_mask (batch, n_visual) bool or
+    None, frame_mask (batch, frames) bool or None) -> logits (batch, text, vocab_size).
+
+    A clip's frames are encoded and connected one by one, exactly like images, and enter the backbone
+    as ``frames x n_visual`` tokens in frame order (``n_visual`` = :attr:`n_visual`, the connector's
+    count per image), so no arch has video-specific code. An image is a 1-frame clip. ``frame_mask``
+    marks real frames (clips right-padded to the longest in the batch): padded frames are never
+    encoded, their tokens are zeros and are masked as keys in every arch, so their pixels cannot
+    reach any real token.
 
     Build on the meta device, shard, ``to_empty``, then :meth:`tie_weights` and :meth:`init_weights`
     (pretrained encoder weights are loaded from disk there, never lost to meta construction).
@@ -72,8 +79,40 @@ class VisionLanguageModel(nn.Module):
         self.connector.init_weights(seed, prefix="connector")
         self.backbone.init_weights(seed)
 
-    def visual_tokens(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """(batch, n_visual, dim) from (batch, 3, H, W); the frozen encoder runs without autograd."""
+    def visual_tokens(self, pixel_values: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Visual tokens in the text width; the frozen encoder runs without autograd.
+
+        Args:
+            pixel_values: (batch, 3, H, W) images, or (batch, frames, 3, H, W) clips.
+            frame_mask: (batch, frames) bool, True at real frames (clips only; None: all real).
+
+        Returns:
+            (batch, n_visual, dim) for images; (batch, frames * n_visual, dim) for clips, frame by
+            frame, zeros at padded frames (which are not encoded).
+
+        Raises:
+            ValueError: ``pixel_values`` neither 4-D nor 5-D, or ``frame_mask`` not (batch, frames) or
+                given with 4-D images.
+        """
+        if pixel_values.dim() == 4:
+            if frame_mask is not None:
+                raise ValueError("frame_mask is for clips (batch, frames, 3, H, W); images are 4-D.")
+            return self._encode(pixel_values)
+        if pixel_values.dim() != 5:
+            raise ValueError(
+                f"pixel_values must be (batch, 3, H, W) or (batch, frames, 3, H, W); got {tuple(pixel_values.shape)}."
+            )
+        bsz, frames = pixel_values.shape[:2]
+        if frame_mask is None:
+            return self._encode(pixel_values.flatten(0, 1)).unflatten(0, (bsz, frames)).flatten(1, 2)
+        if frame_mask.shape != (bsz, frames):
+            raise ValueError(f"frame_mask must be (batch, frames) = {(bsz, frames)}; got {tuple(frame_mask.shape)}.")
+        real = self._encode(pixel_values[frame_mask])  # (real frames, n_visual, dim): padding never encoded
+        tokens = real.new_zeros(bsz, frames, *real.shape[1:])
+        tokens[frame_mask] = real
+        return tokens.flatten(1, 2)
+
+    def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.encoder.frozen):
             features = self.encoder(pixel_values)
         return self.connector(features)
@@ -84,7 +123,15 @@ class VisionLanguageModel(nn.Module):
         pixel_values: torch.Tensor | None = None,
         text_mask: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
+        frame_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Text logits (batch, text, vocab_size); see the class docstring for shapes."""
-        visual = None if pixel_values is None else self.visual_tokens(pixel_values)
+        """Text logits (batch, text, vocab_size); see the class docstring for shapes.
+
+        ``frame_mask`` (batch, frames) expands to the visual tokens (``n_visual`` per frame) and is
+        combined with ``visual_mask`` when both are given.
+        """
+        visual = None if pixel_values is None else self.visual_tokens(pixel_values, frame_mask)
+        if frame_mask is not None:
+            per_token = frame_mask.repeat_interleave(self.n_visual, dim=1)
+            visual_mask = per_token if visual_mask is None else visual_mask & per_token
         return self.backbone(input_ids, visual, text_mask, visual_mask)

@@ -10,7 +10,6 @@ and the per-FQN seeded init loop (as :meth:`kempnerforge.model.Transformer.init_
 from __future__ import annotations
 
 import abc
-import math
 
 import torch
 from torch import nn
@@ -19,8 +18,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
-from kempnerforge.model.init import canonical_fqn, copy_full_, ones_init_, trunc_normal_init_
-from kempnerforge.model.moe import GroupedExperts
+from kempnerforge.model.decoder_init import init_decoder_
+from kempnerforge.model.init import canonical_fqn, copy_full_
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
@@ -28,7 +27,6 @@ from kempnerforge.model.vlm.base import VLMBackbone, prefix_sequence
 from kempnerforge.model.vlm.dispatch import ModalityDispatch
 
 # Projections writing into the residual stream (dense FQN suffixes): init std / sqrt(2 * n_layers).
-_RESIDUAL_OUT = ("attention.wo.weight", "feed_forward.w2.weight")
 
 
 class PrefixBackbone(VLMBackbone):
@@ -163,27 +161,7 @@ class PrefixBackbone(VLMBackbone):
         Raises:
             RuntimeError: a parameter no rule covers.
         """
-        cos, sin = rope_tables(self.config.head_dim, self.config.max_seq_len, self.config.rope_theta, "cpu")
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-        std, res_std = self.config.init_std, self.config.init_std / math.sqrt(2 * self.config.n_layers)
-        done: set[int] = set()
-        for name, module in self.named_modules():
-            if isinstance(module, GroupedExperts):
-                for pname in ("w1", "w2", "w3"):
-                    fqn = self.seed_fqn(canonical_fqn(f"{name}.{pname}"))
-                    trunc_normal_init_(getattr(module, pname), fqn, seed, res_std if pname == "w2" else std)
-                    done.add(id(getattr(module, pname)))
-            elif isinstance(module, RMSNorm):
-                ones_init_(module.weight)
-                done.add(id(module.weight))
-            elif isinstance(module, nn.Linear | nn.Embedding) and id(module.weight) not in done:
-                fqn = self.seed_fqn(canonical_fqn(f"{name}.weight"))
-                trunc_normal_init_(module.weight, fqn, seed, res_std if fqn.endswith(_RESIDUAL_OUT) else std)
-                done.add(id(module.weight))
-        missed = [n for n, p in self.named_parameters() if id(p) not in done]
-        if missed:
-            raise RuntimeError(f"{type(self).__name__}.init_weights has no rule for parameters {missed}")
+        init_decoder_(self, self.config, seed, seed_fqn=self.seed_fqn)
 
     def text_key(self, fqn: str) -> str | None:
         """The dense :class:`~kempnerforge.model.Transformer` key a warm start copies into parameter
