@@ -144,6 +144,7 @@ def _rank_main(script: str, args: list[str], env: dict[str, str], out: str, err:
 
 def _kill(procs) -> None:
     """SIGKILL every still-running rank and its process group (torchrun also kills survivors of a failure)."""
+    procs = [p for p in procs if p.pid is not None]  # started
     for p in procs:
         if p.exitcode is None:
             try:
@@ -189,10 +190,12 @@ def run_ranks(
             )
             for r in range(nproc)
         ]
-        for p in procs:
-            p.start()
-        returncode, timed_out = _wait(procs, time.monotonic() + timeout)
-        _kill(procs)
+        try:
+            for p in procs:
+                p.start()
+            returncode, timed_out = _wait(procs, time.monotonic() + timeout)
+        finally:  # also on KeyboardInterrupt or a pytest-timeout: no rank outlives its launch
+            _kill(procs)
         stdout = "".join(Path(o).read_text(errors="replace") for o, _ in files)
         stderr = "".join(Path(e).read_text(errors="replace") for _, e in files)
     if timed_out:
