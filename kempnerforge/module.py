@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 from torchmetrics.text import Perplexity
@@ -398,6 +399,7 @@ class VisionLanguage(CausalLM):
         self.vlm_config, self.encoder_config, self.connector_config, self.freeze = vlm, encoder, connector, freeze
         self._skipped_clips: torch.Tensor | None = None  # this rank's count since the run started
         self._visual_positions: int | None = None  # visual tokens per sample in the last batch
+        self._skipped_clips_shown = 0
         self.save_hyperparameters(
             {
                 **self.hparams,
@@ -494,6 +496,13 @@ class VisionLanguage(CausalLM):
         if group is not None:
             dist.all_reduce(total, group=group)
         self.log("data/skipped_clips", total.float(), rank_zero_only=True)
+        count = int(total)  # one host sync per log interval
+        if count > self._skipped_clips_shown:  # on the console too, not only in the logger
+            self._skipped_clips_shown = count
+            rank_zero_warn(
+                f"data: {count} unreadable clip(s) skipped so far, each replaced by the next readable one "
+                "(data/skipped_clips; the dataset warnings name the files)."
+            )
 
     def flops_per_token(self, seq_len: int) -> int:
         """Backbone training FLOPs per text token, FLOP/token (what MFU counts for a VLM).

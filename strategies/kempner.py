@@ -20,8 +20,10 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
-from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
+from kempnerforge.checkpoint.compat import model_config_diff
+from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, CheckpointError, DCPCheckpointIO
 from kempnerforge.checkpoint.sharded_state import load_model_and_optimizers, optimizer_state
 from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_state
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
@@ -307,13 +309,23 @@ class KempnerStrategy(ModelParallelStrategy):
         # An imported checkpoint (kforge convert hf-to-dcp) holds weights only: optimizer, schedule,
         # loops and data position start fresh.
         weights_only = bool(meta.pop(WEIGHTS_ONLY_KEY, False))
-        load_model_and_optimizers(
-            self.model,
-            [] if weights_only else self.optimizers,
-            path,
-            self.checkpoint_io,
-            strict=self.lightning_module.strict_loading,
-        )
+        try:
+            load_model_and_optimizers(
+                self.model,
+                [] if weights_only else self.optimizers,
+                path,
+                self.checkpoint_io,
+                strict=self.lightning_module.strict_loading,
+            )
+        except (RuntimeError, ValueError, CheckpointException) as err:  # missing / mis-shaped tensors: say why
+            diff = model_config_diff(meta.get("hyper_parameters"), self.lightning_module.hparams)
+            if diff:
+                raise CheckpointError(
+                    f"{path} was written by another model ({'; '.join(diff[:8])}), so it cannot be resumed into "
+                    "this one. Start fresh with --ckpt_path null, or give this run its own checkpoint folder "
+                    "(ModelCheckpoint / Preemption dirpath): --ckpt_path auto resumes the newest checkpoint there."
+                ) from err
+            raise
         if weights_only:
             meta.pop("rank_state", None)
             return meta

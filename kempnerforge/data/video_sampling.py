@@ -8,6 +8,10 @@ returns strictly increasing indices into them. Adding one is a single registrati
     def middle(timestamps, cfg):
         return [len(timestamps) // 2]
 
+Outside this package (e.g. under ``kforge fit``, which imports nothing of yours), name the policy by
+its import path instead: ``data.sampling: mypkg.policies.middle`` imports ``mypkg.policies`` and uses
+its ``middle`` function (registered under that path), in training and in ``kforge generate --video``.
+
 Every policy keeps at most ``cfg.max_frames`` frames (checked by :func:`sample_frames`), so a
 datamodule can bound the visual tokens of a clip without knowing the policy.
 """
@@ -15,6 +19,8 @@ datamodule can bound the visual tokens of a clip without knowing the policy.
 from __future__ import annotations
 
 import bisect
+import importlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -64,12 +70,13 @@ class FrameSampling:
     num_frames: int | None = None
 
     def __post_init__(self) -> None:
-        if self.policy not in SAMPLING_POLICIES:
+        if self.policy not in SAMPLING_POLICIES and not _import_policy(self.policy):
             raise ValueError(
-                f"data.sampling={self.policy!r} is not registered; choose one of {sorted(SAMPLING_POLICIES)}."
+                f"data.sampling={self.policy!r} is not registered; choose one of {sorted(SAMPLING_POLICIES)} "
+                "or give an importable function path (mypkg.module.function)."
             )
-        if not self.fps > 0:
-            raise ValueError(f"data.fps={self.fps} must be > 0 (frames per second).")
+        if not (self.fps > 0 and math.isfinite(self.fps)):
+            raise ValueError(f"data.fps={self.fps} must be a finite number > 0 (frames per second).")
         for name in ("min_frames", "max_frames", "num_frames"):
             value = getattr(self, name)
             if name == "num_frames" and value is None:
@@ -80,6 +87,27 @@ class FrameSampling:
             raise ValueError(f"data.min_frames={self.min_frames} must be <= data.max_frames={self.max_frames}.")
         if self.num_frames is not None and self.num_frames > self.max_frames:
             raise ValueError(f"data.num_frames={self.num_frames} must be <= data.max_frames={self.max_frames}.")
+        if self.policy == "uniform" and self.num_frames is not None:
+            raise ValueError(
+                f"data.num_frames={self.num_frames} applies to sampling='fixed_count'; 'uniform' takes its count "
+                "from fps, min_frames and max_frames. Set num_frames to null or sampling to fixed_count."
+            )
+
+
+def _import_policy(path: str) -> bool:
+    """Register the function at import path ``path`` (``pkg.module.function``) under that path; False when
+    ``path`` names no importable function."""
+    module, _, name = path.rpartition(".")
+    if not module:
+        return False
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return False
+    if not callable(fn):
+        return False
+    SAMPLING_POLICIES.setdefault(path, fn)
+    return True
 
 
 def sample_frames(timestamps: Sequence[float], cfg: FrameSampling) -> list[int]:
@@ -152,11 +180,11 @@ def uniform(timestamps: Sequence[float], cfg: FrameSampling) -> list[int]:
     clip instead (:func:`evenly_spread`), endpoints kept.
     """
     t0, t1 = timestamps[0], timestamps[-1]
-    targets, k = [], 0
-    while t0 + k / cfg.fps <= t1:
-        targets.append(t0 + k / cfg.fps)
-        k += 1
-    chosen = sorted({nearest(timestamps, t) for t in targets})
+    n_targets = math.floor((t1 - t0) * cfg.fps) + 1
+    if n_targets >= len(timestamps):  # at or above the clip's own rate: every frame, once (bounded work)
+        chosen = list(range(len(timestamps)))
+    else:
+        chosen = sorted({nearest(timestamps, t0 + k / cfg.fps) for k in range(n_targets)})
     if chosen[-1] != len(timestamps) - 1:
         chosen.append(len(timestamps) - 1)
     n = len(chosen)

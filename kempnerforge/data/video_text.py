@@ -114,11 +114,13 @@ class VideoTextDataset(torch.utils.data.Dataset):
         missing = [c for c in clips if c.path is not None and not c.path.is_file()]
         if len(missing) == len(clips):
             raise AllClipsFailedError(
-                f"none of the {len(clips)} clip file(s) of {source!r} exists: {[str(c.path) for c in missing[:10]]}"
+                f"none of the {len(clips)} clip file(s) of {source!r} is a file (missing, or a folder): "
+                f"{[str(c.path) for c in missing[:10]]}"
             )
         if missing:
             warnings.warn(
-                f"{len(missing)} of {len(clips)} clip file(s) of {source!r} do not exist and are left out: "
+                f"{len(missing)} of {len(clips)} clip file(s) of {source!r} are missing (or not files) and are left "
+                "out (not counted in data/skipped_clips): "
                 f"{[str(c.path) for c in missing[:10]]}",
                 stacklevel=2,
             )
@@ -146,6 +148,8 @@ class VideoTextDataset(torch.utils.data.Dataset):
                     frames, times = self._decode(clip)
                 except VideoDecodeError as err:
                     self.failures[i] = str(err)
+                    # Once per clip and process (a worker remembers its failures), so the file is named on the console.
+                    warnings.warn(f"skipping unreadable clip {clip.clip_id}: {err}", stacklevel=2)
                 else:
                     self.skipped += len(skipped)
                     return {
@@ -169,10 +173,13 @@ class VideoTextDataset(torch.utils.data.Dataset):
         return frames, times
 
 
+_FIELDS_HINT = "name the clip and caption columns with data.video_field and data.text_field."
+
+
 def _require(row: dict[str, Any], where: str, *fields: str) -> None:
     lacking = [f for f in fields if row.get(f) in (None, "")]
     if lacking:
-        raise VideoDataError(f"{where} lacks {lacking} (has {sorted(row)}).")
+        raise VideoDataError(f"{where} lacks {lacking} (has {sorted(row)}); {_FIELDS_HINT}")
 
 
 def _csv_clips(path: Path, video_field: str, text_field: str, id_field: str) -> list[_Clip]:
@@ -213,7 +220,13 @@ def _parquet_clips(root: Path, video_field: str, text_field: str, id_field: str)
 def _hf_clips(root: Path, video_field: str, text_field: str, id_field: str) -> list[_Clip]:
     import datasets
 
-    data = datasets.load_from_disk(str(root))
+    try:
+        data = datasets.load_from_disk(str(root))
+    except FileNotFoundError as err:
+        raise VideoDataError(
+            f"data.source={str(root)!r} is not a datasets save_to_disk folder, which data.format='hf' reads "
+            f"({err}); for .parquet files use data.format='parquet'."
+        ) from err
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:
             raise VideoDataError(f"{root} is a DatasetDict without a 'train' split (splits: {list(data)}).")
@@ -227,7 +240,7 @@ def _table_clips(table, base: Path, where: str, video_field: str, text_field: st
     (relative to the folder ``base``); the clip is named by ``id_field`` when present, else by its row."""
     for column in (video_field, text_field):
         if column not in table.column_names:
-            raise VideoDataError(f"{where} has no column {column!r} (columns: {table.column_names}).")
+            raise VideoDataError(f"{where} has no column {column!r} (columns: {table.column_names}); {_FIELDS_HINT}")
     videos, texts = table.column(video_field).to_pylist(), table.column(text_field).to_pylist()
     ids = table.column(id_field).to_pylist() if id_field in table.column_names else None
     clips = []

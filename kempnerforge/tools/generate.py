@@ -119,9 +119,13 @@ def _generate_vlm(args: argparse.Namespace, sampling: SamplingConfig) -> None:
     :func:`~kempnerforge.model.vlm_generate.generate_with_image` (a clip is ``frames x n_visual`` tokens)."""
     from kempnerforge.config.vision import VisionEncoderConfig
     from kempnerforge.model.vision import build_image_processor
-    from kempnerforge.model.vlm_generate import generate_with_image
+    from kempnerforge.model.vlm_generate import check_generatable, generate_with_image
 
     loaded = load_vlm_checkpoint(args.ckpt, device=args.device)
+    try:
+        check_generatable(loaded.model.backbone)
+    except ValueError as err:
+        raise SystemExit(f"kforge generate: {err}") from err
     tokenizer = load_tokenizer(args.tokenizer or loaded.tokenizer)
     processor = build_image_processor(VisionEncoderConfig(**loaded.meta["hyper_parameters"]["encoder"]))
     frames = _video_frames(args.video, loaded.meta) if args.video is not None else [_image(args.image)]

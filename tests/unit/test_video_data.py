@@ -149,7 +149,7 @@ def test_only_bad_clips_raise_naming_them(tmp_path):
     [
         ({"format": "mkv"}, "data.format='mkv' is not allowed; choose one of \\['csv', 'jsonl', 'parquet', 'hf'\\]"),
         ({"sampling": "random"}, "data.sampling='random' is not registered; choose one of \\['fixed_count', 'uniform'"),
-        ({"fps": 0}, "data.fps=0 must be > 0"),
+        ({"fps": 0}, "data.fps=0 must be a finite number > 0"),
         ({"min_frames": 5, "max_frames": 4}, "data.min_frames=5 must be <= data.max_frames=4"),
         ({"num_frames": 9}, "data.num_frames=9 must be <= data.max_frames=8"),
         ({"max_text_len": 0}, "data.max_text_len=0 must be >= 1"),
@@ -181,3 +181,12 @@ def test_datamodule_exposes_lengths_and_keeps_fallbacks_inside_a_split():
     assert [c.clip_id for c in dm.val_dataset.clips] == ["1000003"]
     batch = next(iter(dm.val_dataloader()))
     assert batch["pixel_values"].shape == (1, 3, 3, 32, 32) and batch["frame_mask"].all()
+
+
+def test_wrong_columns_and_wrong_format_name_the_fields():
+    with pytest.raises(VideoDataError, match=r"lacks \['url'\].*data.video_field and data.text_field"):
+        VideoTextDataset(str(VIDEOS / "results.csv"), "csv", FIRST_LAST, video_field="url")
+    with pytest.raises(VideoDataError, match=r"has no column 'clip'.*data.video_field"):
+        VideoTextDataset(str(VIDEO_PARQUET), "parquet", FIRST_LAST, video_field="clip")
+    with pytest.raises(VideoDataError, match=r"not a datasets save_to_disk folder.*use data.format='parquet'"):
+        VideoTextDataset(str(VIDEO_PARQUET.parent), "hf", FIRST_LAST)

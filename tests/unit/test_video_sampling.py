@@ -126,13 +126,37 @@ def test_a_new_policy_is_one_registration():
     "kwargs, match",
     [
         ({"policy": "keyframes_only"}, "data.sampling='keyframes_only' is not registered; choose one of"),
-        ({"fps": 0.0}, "data.fps=0.0 must be > 0"),
-        ({"fps": -2.0}, "data.fps=-2.0 must be > 0"),
+        ({"fps": 0.0}, "data.fps=0.0 must be a finite number > 0"),
+        ({"fps": -2.0}, "data.fps=-2.0 must be a finite number > 0"),
+        ({"fps": float("inf")}, "data.fps=inf must be a finite number > 0"),
+        ({"num_frames": 4}, "data.num_frames=4 applies to sampling='fixed_count'; 'uniform' takes its count"),
+        ({"policy": "os.path.no_such_fn"}, "data.sampling='os.path.no_such_fn' is not registered"),
         ({"min_frames": 9, "max_frames": 8}, "data.min_frames=9 must be <= data.max_frames=8"),
         ({"max_frames": 0}, "data.max_frames=0 must be an integer >= 1"),
-        ({"num_frames": 12, "max_frames": 8}, "data.num_frames=12 must be <= data.max_frames=8"),
+        (
+            {"policy": "fixed_count", "num_frames": 12, "max_frames": 8},
+            "data.num_frames=12 must be <= data.max_frames=8",
+        ),
     ],
 )
 def test_bad_sampling_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match.replace("[", "\\[").replace("(", "\\(")):
         FrameSampling(**kwargs)
+
+
+def test_a_policy_by_import_path_and_a_huge_fps_stay_bounded():
+    """``data.sampling`` may name a function by import path (what ``kforge fit`` can reach without user imports); an
+    fps far above the clip's rate gives every frame once without building duration * fps targets."""
+    path = f"{__name__}.middle_frame"
+    try:
+        cfg = FrameSampling(path, max_frames=4)
+        assert sample_frames([0.0, 0.5, 1.0, 1.5], cfg) == [2]
+        ts = [k / 24 for k in range(720)]  # 30 s at 24 fps; 1e12 fps used to mean 3e13 targets (hours, GBs)
+        assert sample_frames(ts, FrameSampling(fps=1e12, max_frames=720)) == list(range(720))
+    finally:
+        SAMPLING_POLICIES.pop(path, None)
+
+
+def middle_frame(timestamps, cfg):
+    """A user policy, reached by its import path."""
+    return [len(timestamps) // 2]

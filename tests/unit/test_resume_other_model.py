@@ -1,0 +1,42 @@
+"""Resuming a checkpoint into a different model (e.g. auto-resume after switching ``vlm.arch`` in a recipe that
+shares its checkpoint folder) is refused in config terms, not as a missing tensor key."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from kempnerforge.checkpoint.compat import model_config_diff
+from kempnerforge.checkpoint.dcp_io import CheckpointError
+from kempnerforge.config import ModelConfig
+from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.module import CausalLM
+from kempnerforge.strategies import KempnerStrategy
+from kempnerforge.training.lr import SchedulerConfig
+
+
+def _fit(module, data, tmp_path, ckpt_path=None) -> None:
+    ckpt = ModelCheckpoint(dirpath=tmp_path, filename="s{step}", auto_insert_metric_name=False, every_n_train_steps=1)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=KempnerStrategy(), max_steps=1, logger=False,
+                      limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt])  # fmt: skip
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_path, shakespeare_tokens):
+    data = TokenDataModule(str(shakespeare_tokens), seq_len=32, micro_batch_size=2)
+    sched = SchedulerConfig(warmup_steps=1, total_steps=1)
+    small = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=50257, max_seq_len=64, multiple_of=16)
+    _fit(CausalLM(small, scheduler=sched), data, tmp_path)
+    wide = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=50257, max_seq_len=64, multiple_of=16)
+    with pytest.raises(CheckpointError, match=r"was written by another model \(model.config.dim: saved 32, now 64\)"
+                       r".*--ckpt_path null"):  # fmt: skip
+        _fit(CausalLM(wide, scheduler=sched), data, tmp_path / "again", ckpt_path=str(tmp_path / "s1.ckpt"))
+
+
+def test_model_config_diff_lists_vlm_settings():
+    saved = {"config": {"dim": 64}, "vlm": {"arch": "joint_decoder", "cross_attn_every": 4}, "optimizer": {"lr": 1}}
+    now = {"config": {"dim": 64}, "vlm": {"arch": "cross_attention", "cross_attn_every": 4}, "optimizer": {"lr": 2}}
+    assert model_config_diff(saved, now) == ["model.vlm.arch: saved 'joint_decoder', now 'cross_attention'"]
+    assert model_config_diff(saved, {"config": {"dim": 64}}) == ["model.vlm: only in the checkpoint"]
+    assert model_config_diff(None, now) == [] and model_config_diff(saved, saved) == []
