@@ -168,6 +168,12 @@ def _run_tool(name: str, argv: list[str]) -> None:
         check_env_main(argv)
 
 
+def shows_help_text(args: list[str]) -> bool:
+    """Whether ``args`` print argument descriptions: ``-h`` / ``--help``, or a class help in subclass mode
+    such as ``--model.help VisionLanguage`` (``--print_config`` writes no descriptions)."""
+    return any(a in ("-h", "--help") or a.split("=")[0].endswith(".help") for a in args)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``kforge`` console script.
 
@@ -175,8 +181,10 @@ def main(argv: list[str] | None = None) -> None:
         argv: arguments without the program name (None: ``sys.argv[1:]``).
     """
     args = sys.argv[1:] if argv is None else argv
-    # Per-field docstrings of the config dataclasses become the `--help` text of each argument.
-    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # Per-field docstrings of the config dataclasses become the `--help` text of each argument. Reading them
+    # tokenizes the source of every class in every subcommand's signature (the Trainer's too): 5-10 s of CPU
+    # per process, each rank of a multi-process run included, so only when the text is shown.
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=shows_help_text(args))
     if args and args[0] in TOOLS:
         _run_tool(args[0], args[1:])
         return

@@ -12,14 +12,14 @@ import json
 
 import pytest
 
-from tests.distributed.launch import HERE, torchrun, train
+from tests.distributed.launch import HERE, launch, train
 
 pytestmark = pytest.mark.distributed
 
 
 def test_ep_layer_matches_single_process_with_idle_experts(tmp_path):
     out = tmp_path / "ep.json"
-    torchrun(2, HERE / "ep_moe_check.py", ["--out", str(out), "--skew"], timeout=180)
+    launch(2, HERE / "ep_moe_check.py", ["--out", str(out), "--skew"], timeout=180)
     record = json.loads(out.read_text())
     for rank, errors in enumerate(record["errors"]):
         for key, err in errors.items():

@@ -16,9 +16,17 @@ def single(shakespeare_tokens, tmp_path_factory):
     return train(1, shakespeare_tokens, out, "--steps", "20", "--micro-batch", "8")
 
 
-def test_fsdp_dp_shard_2_matches_single_process(single, shakespeare_tokens, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp2(shakespeare_tokens, tmp_path_factory):
+    """2 processes (dp_shard 2), micro-batch 4 (the same global batch), 20 steps: the parity run, and the
+    uninterrupted run the resume test compares with (the identical command, so it runs once)."""
+    out = tmp_path_factory.mktemp("fsdp2") / "fsdp.json"
+    return train(2, shakespeare_tokens, out, "--steps", "20", "--micro-batch", "4")
+
+
+def test_fsdp_dp_shard_2_matches_single_process(single, fsdp2):
     """Same losses and grad norms within 1e-5 (fp32), and the loss actually moves."""
-    record = train(2, shakespeare_tokens, tmp_path / "fsdp.json", "--steps", "20", "--micro-batch", "4")
+    record = fsdp2
     assert len(record["losses"]) == len(single["losses"]) == 20
     for a, b in zip(record["losses"], single["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
@@ -28,9 +36,9 @@ def test_fsdp_dp_shard_2_matches_single_process(single, shakespeare_tokens, tmp_
     assert single["losses"][-1] < single["losses"][0] - 2.0
 
 
-def test_exact_resume_two_processes(shakespeare_tokens, tmp_path):
+def test_exact_resume_two_processes(fsdp2, shakespeare_tokens, tmp_path):
     """20 steps straight vs 10 steps, stop, resume for 10 more: identical losses for steps 11-20."""
-    straight = train(2, shakespeare_tokens, tmp_path / "straight.json", "--steps", "20")
+    straight = fsdp2
     ckpt = tmp_path / "ckpt"
     first = train(
         2,

@@ -4,15 +4,12 @@ makes the liveness all-reduce raise within its timeout instead of hanging. MFUMo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import launch
 
 SCRIPT = Path(__file__).resolve().parent / "health_script.py"
 
@@ -21,7 +18,7 @@ pytestmark = pytest.mark.distributed
 
 def test_sick_rank_stops_all_ranks_with_a_checkpoint(tmp_path, shakespeare_tokens):
     out = tmp_path / "rec.json"
-    torchrun(2, SCRIPT, ["--data", str(shakespeare_tokens), "--out", str(out), "--mode", "sick", "--tp", "2"])
+    launch(2, SCRIPT, ["--data", str(shakespeare_tokens), "--out", str(out), "--mode", "sick", "--tp", "2"])
     rec = json.loads(out.read_text())
     assert rec["global_step"] == 2
     assert rec["failure"] == {"step": 2, "ranks": [1], "reason": ""}  # rank 0 was healthy; it learns rank 1's state
@@ -35,11 +32,9 @@ def test_sick_rank_stops_all_ranks_with_a_checkpoint(tmp_path, shakespeare_token
 
 def test_stalled_rank_times_out_instead_of_hanging(tmp_path, shakespeare_tokens):
     out = tmp_path / "rec.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT)]
-    cmd += ["--data", str(shakespeare_tokens), "--out", str(out), "--mode", "stalled"]
+    args = ["--data", str(shakespeare_tokens), "--out", str(out), "--mode", "stalled"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = launch(2, SCRIPT, args, timeout=180, check=False)
     wall = time.perf_counter() - start
     assert proc.returncode != 0 and not out.exists()
     assert "liveness all-reduce did not complete within 2.0 s" in proc.stdout + proc.stderr

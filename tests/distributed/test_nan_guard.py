@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launch import HERE, torchrun
+from tests.distributed.launch import HERE, launch
 
 pytestmark = pytest.mark.distributed
 SCRIPT = HERE / "nan_guard_script.py"
@@ -13,7 +13,7 @@ SCRIPT = HERE / "nan_guard_script.py"
 
 def _run(tmp, data, name: str, *args: str) -> list[dict]:
     out = tmp / name
-    torchrun(2, SCRIPT, ["--data", str(data), "--out", str(out), *args])
+    launch(2, SCRIPT, ["--data", str(data), "--out", str(out), *args])
     return [torch.load(f"{out}-rank{r}.pt", weights_only=True) for r in range(2)]
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.distributed.launch import HERE, torchrun
+from tests.distributed.launch import HERE, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -18,7 +18,7 @@ OPTIMIZERS = ["adamw", "muon", "lion", "schedule_free_adamw"]
 def roundtrip(shakespeare_tokens, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("optim")
     args = ["--data", str(shakespeare_tokens), "--out", str(out), "--optimizers", *OPTIMIZERS]
-    torchrun(2, HERE / "optimizer_roundtrip_script.py", args, timeout=420)
+    launch(2, HERE / "optimizer_roundtrip_script.py", args, timeout=420)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

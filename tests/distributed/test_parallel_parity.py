@@ -21,7 +21,8 @@ STEPS = 5
 GLOBAL_BATCH = 8
 
 # id: (processes, data-parallel ranks, extra train_script arguments)
-# Each launch costs ~20 s of imports and rendezvous on 2 cores, so AC modes ride on FSDP2 / HSDP launches.
+# Each launch costs Trainer setup and rendezvous (ranks are forked pre-imported: forked_ranks.py), so AC modes
+# ride on FSDP2 / HSDP launches.
 CASES = {
     "fsdp2-dp_shard2-ac-full": (2, 2, ["--dp-shard", "2", "--ac", "full"]),
     "fsdp2-dp_shard4": (4, 4, ["--dp-shard", "4"]),

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.distributed.launch import HERE, torchrun
+from tests.distributed.launch import HERE, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -29,7 +29,7 @@ PP2_RUNS = [
 
 def _launch(nproc: int, data, root, runs: list[str]) -> dict:
     out = root / f"records_{nproc}.json"
-    torchrun(nproc, SCRIPT, ["--data", str(data), "--out", str(out), "--ckpt-root", str(root), "--runs", *runs],
+    launch(nproc, SCRIPT, ["--data", str(data), "--out", str(out), "--ckpt-root", str(root), "--runs", *runs],
              timeout=600)  # fmt: skip
     return json.loads(out.read_text())
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.distributed.launch import HERE, torchrun, train
+from tests.distributed.launch import HERE, launch, train
 
 pytestmark = pytest.mark.distributed
 
@@ -114,7 +114,7 @@ def test_model_level_variants_match_unsharded_model(tmp_path):
     """One forward/backward at tp=2 vs the unsharded model: loss parallel on/off, sequence parallel on/off,
     tied embeddings and QK-norm (per-head norm weights under TP), uneven vocab (101)."""
     out = tmp_path / "variants.json"
-    torchrun(2, HERE / "tp_model_check.py", ["--out", str(out)])
+    launch(2, HERE / "tp_model_check.py", ["--out", str(out)])
     variants = json.loads(out.read_text())
     assert len(variants) == 4
     for v in variants:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.distributed.launch import HERE, torchrun
+from tests.distributed.launch import HERE, launch
 
 pytestmark = pytest.mark.distributed
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 def record(tmp_path_factory):
     out = tmp_path_factory.mktemp("vlm_backbones") / "record.json"
     ckpt = out.parent / "ckpt"
-    torchrun(2, HERE / "vlm_backbone_check.py", ["--out", str(out), "--ckpt-dir", str(ckpt)], timeout=240)
+    launch(2, HERE / "vlm_backbone_check.py", ["--out", str(out), "--ckpt-dir", str(ckpt)], timeout=240)
     return json.loads(out.read_text())
 
 

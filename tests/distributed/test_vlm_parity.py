@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import launch
 
 SCRIPT = Path(__file__).resolve().parent / "vlm_train_script.py"
 pytestmark = pytest.mark.distributed
 
 
 def _run(nproc: int, out: Path, *extra: str) -> dict:
-    torchrun(nproc, SCRIPT, ["--out", str(out), *extra], timeout=300)
+    launch(nproc, SCRIPT, ["--out", str(out), *extra], timeout=300)
     return json.loads(out.read_text())
 
 

@@ -1,4 +1,5 @@
-"""The `kforge` console script: help, print_config, overrides, prepare-data, and a short real run."""
+"""The `kforge` console script: help, print_config, overrides, prepare-data (in-process: they only parse, print
+or prepare), and a short real 2-process run of the script itself (subprocesses)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.inprocess import kforge_in_process
+
 REPO = Path(__file__).resolve().parents[2]
 KFORGE = [sys.executable, "-m", "kempnerforge.cli"]
 
@@ -22,7 +25,7 @@ def _kforge(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.Co
 
 
 def test_fit_help_documents_model_data_and_strategy_arguments():
-    proc = _kforge("fit", "--config", "configs/debug.yaml", "--help")
+    proc = kforge_in_process("fit", "--config", "configs/debug.yaml", "--help")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for arg in (
@@ -39,7 +42,7 @@ def test_fit_help_documents_model_data_and_strategy_arguments():
 
 
 def test_print_config_applies_overrides():
-    proc = _kforge(
+    proc = kforge_in_process(
         "fit",
         "--config",
         "configs/debug.yaml",
@@ -59,7 +62,7 @@ def test_print_config_applies_overrides():
 
 
 def test_bad_config_value_names_the_field():
-    proc = _kforge("fit", "--config", "configs/debug.yaml", "--model.config.n_kv_heads=3")
+    proc = kforge_in_process("fit", "--config", "configs/debug.yaml", "--model.config.n_kv_heads=3")
     assert proc.returncode != 0
     assert "ModelConfig.n_kv_heads=3 must divide n_heads=4" in proc.stderr
     assert "allowed: [1, 2, 4]" in proc.stderr
@@ -68,7 +71,7 @@ def test_bad_config_value_names_the_field():
 def test_prepare_data_hangs_off_the_same_entry_point(tmp_path, shakespeare_text, gpt2_tokenizer_dir):
     src = tmp_path / "a.txt"
     src.write_text(shakespeare_text.read_text()[:5000])
-    proc = _kforge(
+    proc = kforge_in_process(
         "prepare-data",
         "--source",
         str(src),

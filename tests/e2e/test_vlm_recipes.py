@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from kempnerforge.model.vlm import ARCHS
+from tests.e2e.inprocess import kforge_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -48,11 +49,10 @@ def test_vlm_recipe_loss_falls_30_percent(arch, tmp_path):
 
 def test_vlm_recipe_print_config_takes_overrides_and_links_vocab():
     """The VLM recipe goes through subclass mode: overrides reach init_args, vocab_size is linked into the data."""
-    cmd = [
-        sys.executable, "-m", "kempnerforge.cli", "fit", "--config", "configs/vlm_jd.yaml",
+    proc = kforge_in_process(
+        "fit", "--config", "configs/vlm_jd.yaml",
         "--model.init_args.vlm.arch=cross_attention", "--model.init_args.connector.type=avg_pool", "--print_config",
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["model"]["class_path"] == "kempnerforge.module.VisionLanguage"

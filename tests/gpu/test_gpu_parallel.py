@@ -59,6 +59,7 @@ def _run(tmp_path, name: str, nproc: int, dp: int, *extra: str, data) -> dict:
         str(GLOBAL_BATCH // dp),
         *extra,
         timeout=600,
+        real_torchrun=True,
     )
 
 
