@@ -25,15 +25,19 @@ RECIPES = {"joint_decoder": "vlm_jd", "cross_attention": "vlm_cross_attn", "mot"
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_vlm_recipe_loss_falls_30_percent(arch, tmp_path):
     recipe = REPO / "configs" / f"{RECIPES[arch]}.yaml"
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable, "-m", "kempnerforge.cli", "fit", "--config", str(recipe),
+    args = [
+        "fit", "--config", str(recipe),
         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
         "--trainer.logger.class_path=lightning.pytorch.loggers.CSVLogger",
         f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.logger.init_args.name=vlm",
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    if arch == "joint_decoder":  # one recipe as a real `kforge` process; the others through the same CLI in-process
+        env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "kempnerforge.cli", *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    else:
+        proc = kforge_in_process(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     losses = {}
     for path in (tmp_path / "runs" / "vlm").rglob("metrics.csv"):
