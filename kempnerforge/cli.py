@@ -90,12 +90,39 @@ class KForgeCLI(LightningCLI):
             parser.set_defaults({"ckpt_path": AUTO})
         return parser
 
+    def instantiate_classes(self) -> None:
+        """Lightning's instantiation; a component's own validation error (e.g. ``data.fps=0.0 must be ...``),
+        which jsonargparse buries in a union-type report ending in the whole config, is printed alone.
+
+        Raises:
+            SystemExit: code 2, with ``kforge: error: <the component's message>`` on stderr.
+        """
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            reasons = component_errors(str(err))
+            if not reasons:
+                raise
+            print(f"kforge: error: {'; '.join(reasons)}", file=sys.stderr)
+            raise SystemExit(2) from err
+
     def before_fit(self) -> None:
         """Resolve ``--ckpt_path auto`` (the ``fit`` default), then keep the W&B run id of the run being
         resumed (:func:`keep_wandb_run_id`), before ``Trainer.fit`` runs."""
         config = self.config_init[self.subcommand]
         resolve_auto_ckpt_path(config, self.trainer)
         keep_wandb_run_id(self.trainer, config.get("ckpt_path"))
+
+
+def component_errors(report: str) -> list[str]:
+    """The messages a class raised inside jsonargparse's "Does not validate against any of the Union subtypes"
+    report (an optional ``model`` / ``data`` is ``Union[cls, None]``), without the ``Expected a NoneType`` line;
+    empty for any other error text."""
+    if "Does not validate against any of the Union subtypes" not in report or "\nErrors:\n" not in report:
+        return []
+    block = report.split("\nErrors:\n", 1)[1].split("\nGiven value", 1)[0]
+    lines = [line.strip()[2:] for line in block.splitlines() if line.strip().startswith("- ")]
+    return [line for line in lines if not line.startswith("Expected a <class 'NoneType'>")]
 
 
 def resolve_auto_ckpt_path(config: Any, trainer: Any) -> None:
@@ -190,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     KForgeCLI(
         **cli_classes(args),
-        args=args,
+        args=None if argv is None else args,  # None: Lightning reads sys.argv itself (no "args and argv" warning)
         trainer_defaults={"precision": "32-true"},
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # the module builds AdamW + schedule from --model.optimizer/scheduler

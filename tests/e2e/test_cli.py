@@ -132,3 +132,14 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
         if "val/loss" in acc.Tags()["scalars"]:
             logged.update({e.step: e.value for e in acc.Scalars("val/loss")})
     assert float(found.group(1)) == pytest.approx(logged[max(logged)], rel=1e-5), (found.group(1), logged)
+
+
+def test_a_data_module_validation_error_is_printed_alone():
+    """A component's own check (raised in its __init__) reaches the user as one line, not inside jsonargparse's
+    union-type report that ends with the whole config."""
+    proc = kforge_in_process("fit", "--config", "configs/vlm_video.yaml", "--data.init_args.fps=0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "kforge: error: data.fps=0.0 must be a finite number > 0 (frames per second)."
+    )
+    assert "Given value" not in proc.stderr
