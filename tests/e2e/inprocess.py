@@ -1,10 +1,12 @@
-"""Run ``kforge`` in the pytest process, for CLI tests that only parse, print, validate or prepare data.
+"""Run ``kforge`` in the pytest process: CLI tests that parse, print, validate or prepare data, and recipe runs
+beside the one that goes through a real ``kforge`` process.
 
 A ``kforge`` subprocess pays ~11 s of imports (torch, Lightning, torchmetrics) before it parses one argument;
 in-process the same ``kempnerforge.cli.main`` runs in well under a second. The result looks like a finished
 subprocess (exit code, stdout, stderr), and what the call changes in this process (working directory,
-environment such as PL_GLOBAL_SEED, ``sys.argv``, RNG states, warning filters) is restored afterwards, so later tests see
-the process as before. Real ``kforge`` subprocesses remain for the tests that train.
+environment such as PL_GLOBAL_SEED, ``sys.argv``, RNG states, warning filters, a process group the run
+initialized) is restored afterwards, so later tests see the process as before. Each trained recipe still
+has a run as a real ``kforge`` subprocess (quickstart, CLI short run, preemption, one arch per VLM recipe test).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from kempnerforge.cli import main
 
@@ -37,6 +40,7 @@ def kforge_in_process(*args: str, cwd: Path = REPO) -> subprocess.CompletedProce
     """
     out, err = io.StringIO(), io.StringIO()
     env, cwd_before, argv = dict(os.environ), os.getcwd(), sys.argv
+    had_group = dist.is_initialized()
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     code = 0
     try:
@@ -53,6 +57,8 @@ def kforge_in_process(*args: str, cwd: Path = REPO) -> subprocess.CompletedProce
                 traceback.print_exc(file=err)
                 code = 1
     finally:
+        if not had_group and dist.is_initialized():  # KempnerStrategy's 1-rank group outlives Trainer.fit
+            dist.destroy_process_group()
         os.chdir(cwd_before)
         sys.argv = argv
         os.environ.clear()
@@ -61,3 +67,16 @@ def kforge_in_process(*args: str, cwd: Path = REPO) -> subprocess.CompletedProce
         np.random.set_state(rng[1])
         torch.set_rng_state(rng[2])
     return subprocess.CompletedProcess(["kforge", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_kforge(*args: str, subprocess_run: bool = False, timeout: float = 400) -> subprocess.CompletedProcess:
+    """``kforge *args`` from the repository root: a real ``kforge`` process (``subprocess_run``: what a user runs,
+    imports included) or :func:`kforge_in_process`; raise AssertionError with the output tails when it fails."""
+    if subprocess_run:
+        env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "kempnerforge.cli", *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = kforge_in_process(*args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc

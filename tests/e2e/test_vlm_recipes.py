@@ -4,16 +4,13 @@ loss falls by at least 30% over the README's stated steps (20) on CPU, for every
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from kempnerforge.model.vlm import ARCHS
-from tests.e2e.inprocess import kforge_in_process
+from tests.e2e.inprocess import kforge_in_process, run_kforge
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +29,8 @@ def test_vlm_recipe_loss_falls_30_percent(arch, tmp_path):
         f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.logger.init_args.name=vlm",
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
     ]  # fmt: skip
-    if arch == "joint_decoder":  # one recipe as a real `kforge` process; the others through the same CLI in-process
-        env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "kempnerforge.cli", *args]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    else:
-        proc = kforge_in_process(*args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # One recipe as a real `kforge` process; the others through the same CLI in-process.
+    run_kforge(*args, subprocess_run=arch == "joint_decoder")
     losses = {}
     for path in (tmp_path / "runs" / "vlm").rglob("metrics.csv"):
         with path.open() as f:

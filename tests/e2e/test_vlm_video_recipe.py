@@ -5,15 +5,12 @@ arch with only `--model.init_args.vlm.arch` changed. Few steps (10 of the recipe
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kempnerforge.model.vlm import ARCHS
-from tests.e2e.inprocess import kforge_in_process
+from tests.e2e.inprocess import run_kforge
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("av")
@@ -33,13 +30,7 @@ def _fit(tmp_path: Path, *overrides: str, subprocess_run: bool = False) -> tuple
         f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.logger.init_args.name=vlm",
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
     ]  # fmt: skip
-    if subprocess_run:
-        env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "kempnerforge.cli", *args]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    else:
-        proc = kforge_in_process(*args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_kforge(*args, subprocess_run=subprocess_run)
     losses, skipped = {}, {}
     for path in (tmp_path / "runs" / "vlm").rglob("metrics.csv"):
         with path.open() as f:
