@@ -104,20 +104,23 @@ def load_checkpoint_model(
     meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
     config = model_config_from_meta(meta, resolved)
     model = build_model(config, device)
-    load_model_state(model, resolved, "output.weight" if config.tie_embeddings else None)
+    load_model_state(model, resolved, "output.weight" if config.tie_embeddings else None, meta)
     if dtype is not None:
         model.to(dtype=dtype)
         model.rope_cos.data, model.rope_sin.data = model.rope_cos.float(), model.rope_sin.float()
     return LoadedCheckpoint(model.eval(), config, resolved, meta)
 
 
-def load_model_state(model: torch.nn.Module, resolved: Path, tied_head: str | None = None) -> None:
+def load_model_state(
+    model: torch.nn.Module, resolved: Path, tied_head: str | None = None, meta: dict[str, Any] | None = None
+) -> None:
     """Fill ``model`` (plain tensors) with the checkpoint's ``state_dict.model.*`` entries, no collectives.
 
     Args:
         model: the module Lightning's ``model`` attribute held when the checkpoint was saved.
         resolved: the checkpoint directory.
         tied_head: FQN of an output head tied to the embedding (saved once, under the embedding).
+        meta: the checkpoint's ``meta.pt`` when the caller already read it (None: read here if needed).
 
     Raises:
         RuntimeError: a key is missing from the checkpoint or a shape differs.
@@ -132,11 +135,11 @@ def load_model_state(model: torch.nn.Module, resolved: Path, tied_head: str | No
     model.load_state_dict(loaded, strict=True)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    schedule_free_eval_weights_(model, resolved)
+    schedule_free_eval_weights_(model, resolved, meta)
 
 
 @torch.no_grad()
-def schedule_free_eval_weights_(model: torch.nn.Module, resolved: Path) -> bool:
+def schedule_free_eval_weights_(model: torch.nn.Module, resolved: Path, meta: dict[str, Any] | None = None) -> bool:
     """Turn a Schedule-Free checkpoint's training weights ``y`` into the averaged weights ``x``, in place.
 
     Schedule-Free AdamW (Defazio et al. 2024, arXiv:2405.15682; the ``schedulefree`` package) trains at
@@ -148,11 +151,13 @@ def schedule_free_eval_weights_(model: torch.nn.Module, resolved: Path) -> bool:
     Args:
         model: the loaded model (plain tensors), FQNs as under the LightningModule's ``model``.
         resolved: the checkpoint directory.
+        meta: its ``meta.pt`` contents (None: read from ``resolved``).
 
     Returns:
         True when the weights were averaged.
     """
-    meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
+    if meta is None:
+        meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
     optimizer = (meta.get("hyper_parameters") or {}).get("optimizer") or {}
     if optimizer.get("name") != "schedule_free_adamw":
         return False
@@ -206,5 +211,5 @@ def load_vlm_checkpoint(path: str | Path, device: torch.device | str = "cpu") ->
         config, VLMConfig(**hp["vlm"]), VisionEncoderConfig(**hp["encoder"]), ConnectorConfig(**hp["connector"])
     ).to(device)
     model.init_weights(seed=int(hp.get("init_seed", 0)))
-    load_model_state(model, resolved, "backbone.output.weight" if config.tie_embeddings else None)
+    load_model_state(model, resolved, "backbone.output.weight" if config.tie_embeddings else None, meta)
     return LoadedCheckpoint(model.eval(), config, resolved, meta)

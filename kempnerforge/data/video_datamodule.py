@@ -74,7 +74,11 @@ class VideoTextDataModule(MediaTextDataModule):
             source, tokenizer, format, max_text_len, micro_batch_size, val_fraction, num_workers, data_seed, vocab_size
         )
         self.video_field, self.text_field = video_field, text_field
-        self.max_frames = max_frames
+
+    @property
+    def max_frames(self) -> int:
+        """Frames per clip at most (every policy's bound; the model checks ``max_seq_len`` against it)."""
+        return self.frame_sampling.max_frames
 
     def open_dataset(self) -> VideoTextDataset:
         """All clips of ``source`` whose files exist (missing ones are warned about and left out)."""

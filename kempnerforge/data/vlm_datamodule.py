@@ -124,13 +124,9 @@ class MediaTextDataModule(L.LightningDataModule, abc.ABC):
 
 
 class ImageTextDataModule(MediaTextDataModule):
-    """Train/val loaders of :class:`~kempnerforge.data.image_text.ImageTextDataset` batches.
-
-    The last ``ceil(val_fraction * n)`` records validate, the rest train. Each data-parallel rank
-    takes ``micro_batch_size`` records per step from a :class:`ResumableDistributedSampler`
-    (shuffled, seeded, ``drop_last``), so checkpoints carry the position inside an epoch. Images are
-    processed by the encoder's image processor, taken from the LightningModule
-    (``image_processor()``) in :meth:`setup` unless one is given.
+    """Train/val loaders of :class:`~kempnerforge.data.image_text.ImageTextDataset` batches
+    (:class:`~kempnerforge.data.image_text.ImageTextCollator`'s); split, sampling and resume as
+    :class:`MediaTextDataModule`.
 
     Args:
         source: the dataset path (see :class:`ImageTextDataset`).
