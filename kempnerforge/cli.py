@@ -105,7 +105,7 @@ class KForgeCLI(LightningCLI):
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         # `ckpt_path` only exists once Lightning added the Trainer method's arguments (after
-        # add_arguments_to_parser), so its default is changed here.
+        # add_arguments_to_parser), so its default is changed here: a private LightningCLI method, no public hook.
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if subcommand == "fit":
             parser.set_defaults({"ckpt_path": AUTO})
