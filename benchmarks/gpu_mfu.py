@@ -203,8 +203,13 @@ def text_batches(n: int, batch: int, seq_len: int, vocab: int, device: torch.dev
     if vocab < tok.vocab_size:
         raise ValueError(f"vocab_size={vocab} < {tok.vocab_size} (the GPT-2 tokens of the benchmark text)")
     paragraphs = [p for p in text.read_text().split("\n\n") if p.strip()]
-    ids = torch.tensor([i for piece in tok.encode_batch(paragraphs) for i in [*piece, tok.eos_id]])
     need = n * batch * seq_len + 1
+    tokens: list[int] = []
+    for start in range(0, len(paragraphs), 256):  # tokenize only as much text as the run reads
+        tokens += [i for piece in tok.encode_batch(paragraphs[start : start + 256]) for i in [*piece, tok.eos_id]]
+        if len(tokens) >= need:
+            break
+    ids = torch.tensor(tokens)
     ids = ids.repeat(math.ceil(need / ids.numel()))[:need]
     windows = ids.unfold(0, seq_len + 1, seq_len)  # (n * batch, seq_len + 1), each overlapping the next by 1
     out = []

@@ -28,7 +28,7 @@ def test_cpu_tiny_run_reports_throughput_mfu_memory_and_a_falling_loss(tmp_path)
     out = tmp_path / "gpu_mfu.json"
     warmup, steps = 1, 3
     args = ["--device", "cpu", "--warmup", str(warmup), "--steps", str(steps), "--seq-len", "32", "--batch-size", "2"]
-    results = bench.main([*args, "--no-compile", "--lr", "3e-3", "--lr-warmup-steps", "1", "--json", str(out)])
+    results = bench.main([*args, "--no-compile", "--lr", "1e-2", "--lr-warmup-steps", "1", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     assert not dist.is_initialized()  # the fit's process group is torn down again
 
