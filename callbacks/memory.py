@@ -63,6 +63,7 @@ class MemoryMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start recording allocator history when snapshots are asked for."""
         if self.snapshot_steps:
+            # torch's documented snapshot API ("Understanding CUDA Memory Usage") is underscored; no other exists.
             torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
 
     def on_train_batch_end(

@@ -80,7 +80,8 @@ class Preemption(Callback):
         self.saved_path = path
         if isinstance(trainer.checkpoint_callback, ModelCheckpoint):
             # ModelCheckpoint runs after this callback: without this it saves the same step again
-            # under a "-v1" name (its own duplicate-step guard, a private attribute in Lightning 2.6).
+            # under a "-v1" name (its own duplicate-step guard, a private attribute in Lightning 2.6: no public
+            # API marks a step as saved; test_preemption_save_is_not_repeated_by_model_checkpoint catches a rename).
             trainer.checkpoint_callback._last_global_step_saved = trainer.global_step
         if self.requeue and trainer.is_global_zero:
             requeue_slurm_job()

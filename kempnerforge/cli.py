@@ -17,7 +17,7 @@ import jsonargparse
 import yaml
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from kempnerforge.callbacks import Preemption
 from kempnerforge.data.datamodule import TokenDataModule
@@ -33,20 +33,38 @@ AUTO = "auto"
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
 
-def keep_wandb_run_id(trainer: Any, ckpt_path: str | None) -> None:
+def keep_wandb_run_id(trainer: Any, ckpt_path: str | None, logger_config: Any = None) -> None:
     """Give every ``WandbLogger`` without an explicit ``id`` a run id that survives resume.
 
     A fresh run (no ``ckpt_path``) gets a new id, written by rank 0 to
     ``<save_dir>/wandb_run_id``; a resumed run (``ckpt_path`` set) reads that file and continues the
-    same W&B run (``resume="allow"``), online or offline. Runs before the logger's experiment exists
-    (W&B is initialized lazily, in the trainer's setup), so no empty run is created.
+    same W&B run (``resume="allow"``), online or offline. W&B takes a run id only at construction
+    (``WandbLogger(id=...)``), so such a logger is built again from its config with the id and put in
+    its place in ``trainer.loggers``. Runs before the logger's experiment exists (W&B is initialized
+    lazily, in the trainer's setup), so no empty run is created.
+
+    Args:
+        trainer: the instantiated Trainer.
+        ckpt_path: the resolved checkpoint to resume from (None: a fresh run).
+        logger_config: the parsed ``trainer.logger`` of the CLI (a ``class_path`` / ``init_args``
+            namespace or a list of them, in the order of ``trainer.loggers``). A ``WandbLogger`` without
+            one (e.g. passed in from Python) keeps no id across resumes, with a warning.
     """
     try:
         from lightning.pytorch.loggers import WandbLogger
     except ImportError:  # pragma: no cover - lightning always ships the class; wandb itself is optional
         return
-    for logger in trainer.loggers:
-        if not isinstance(logger, WandbLogger) or logger._id is not None or logger._experiment is not None:
+    loggers = list(trainer.loggers)
+    configs = logger_config if isinstance(logger_config, list) else [logger_config]
+    if len(configs) != len(loggers):
+        configs = [None] * len(loggers)
+    replaced = False
+    for i, (logger, config) in enumerate(zip(loggers, configs, strict=True)):
+        if not isinstance(logger, WandbLogger) or logger.version is not None:  # version: the id, once known
+            continue
+        init_args = getattr(config, "init_args", None)
+        if init_args is None or str(getattr(config, "class_path", "")).rsplit(".", 1)[-1] != type(logger).__name__:
+            rank_zero_warn(f"{type(logger).__name__} not built from the config: its W&B run id is not kept on resume.")
             continue
         id_file = Path(logger.save_dir or ".") / WANDB_RUN_ID_FILE
         if ckpt_path is not None and id_file.is_file():
@@ -55,8 +73,11 @@ def keep_wandb_run_id(trainer: Any, ckpt_path: str | None) -> None:
         else:
             run_id = uuid.uuid4().hex[:8]  # W&B ids: up to 64 characters of [a-z0-9_-]
             rank_zero_only(_write_id)(id_file, run_id)
-        logger._id = run_id
-        logger._wandb_init.update(id=run_id, resume="allow")
+        kwargs = {**init_args.as_dict(), **dict(getattr(config, "dict_kwargs", None) or {})}
+        loggers[i] = type(logger)(**{**kwargs, "id": run_id, "resume": "allow"})
+        replaced = True
+    if replaced:
+        trainer.loggers = loggers
 
 
 def _write_id(path: Path, run_id: str) -> None:
@@ -84,7 +105,7 @@ class KForgeCLI(LightningCLI):
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         # `ckpt_path` only exists once Lightning added the Trainer method's arguments (after
-        # add_arguments_to_parser), so its default is changed here.
+        # add_arguments_to_parser), so its default is changed here: a private LightningCLI method, no public hook.
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if subcommand == "fit":
             parser.set_defaults({"ckpt_path": AUTO})
@@ -111,7 +132,7 @@ class KForgeCLI(LightningCLI):
         resumed (:func:`keep_wandb_run_id`), before ``Trainer.fit`` runs."""
         config = self.config_init[self.subcommand]
         resolve_auto_ckpt_path(config, self.trainer)
-        keep_wandb_run_id(self.trainer, config.get("ckpt_path"))
+        keep_wandb_run_id(self.trainer, config.get("ckpt_path"), self.config[self.subcommand]["trainer"]["logger"])
 
 
 def component_errors(report: str) -> list[str]:

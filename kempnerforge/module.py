@@ -16,12 +16,12 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
-from torchmetrics.text import Perplexity
 
 from kempnerforge.callbacks.freeze import FreezeSchedule
 from kempnerforge.config import ModelConfig
 from kempnerforge.config.vision import ConnectorConfig, VisionEncoderConfig
 from kempnerforge.config.vlm import VLMConfig
+from kempnerforge.metrics.perplexity import TokenPerplexity
 from kempnerforge.model import Transformer
 from kempnerforge.model.connectors import connector_tokens
 from kempnerforge.model.vision import build_image_processor, hf_vision_config
@@ -48,6 +48,15 @@ from kempnerforge.training.optimizers import (
     check_optimizer_schedule,
     set_schedule_free_mode,
 )
+
+
+def _has_trainer(module: LightningModule) -> bool:
+    """Whether ``module`` is attached to a Trainer (Lightning's public ``trainer`` property raises
+    ``RuntimeError`` when it is not, e.g. in a module built and called outside ``fit``)."""
+    try:
+        return module.trainer is not None
+    except RuntimeError:
+        return False
 
 
 class CausalLM(LightningModule):
@@ -116,7 +125,7 @@ class CausalLM(LightningModule):
         )
         self.model: Transformer | None = None
         self.val_loss = MeanMetric()
-        self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+        self.val_ppl = TokenPerplexity()
         self.tokens_seen = 0
         # Normalization by the global target-token count of the whole optimizer step (dp ranks x
         # accumulated micro-batches); see StepTokenNormalizer.
@@ -158,7 +167,7 @@ class CausalLM(LightningModule):
         Raises:
             ValueError: the datamodule's ``seq_len`` exceeds ``config.max_seq_len``.
         """
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(self.trainer, "datamodule", None) if _has_trainer(self) else None
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.config.max_seq_len:
             raise ValueError(
@@ -186,7 +195,7 @@ class CausalLM(LightningModule):
     # -- steps ----------------------------------------------------------------------------------
 
     def _dp_group(self) -> dist.ProcessGroup | None:
-        mesh = getattr(self.trainer.strategy, "parallel_mesh", None) if self._trainer is not None else None
+        mesh = getattr(self.trainer.strategy, "parallel_mesh", None) if _has_trainer(self) else None
         if mesh is not None:
             return mesh.dp.get_group()
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
@@ -286,7 +295,7 @@ class CausalLM(LightningModule):
             logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
         self.val_loss.update(loss / n.clamp(min=1), weight=n)
-        self.val_ppl.update(logits, labels)
+        self.val_ppl.update(loss, n)
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl)
 
@@ -327,12 +336,12 @@ class CausalLM(LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         """Schedule-Free: evaluate the averaged weights ``x`` (no-op for other optimizers)."""
-        if self._trainer is not None and self.trainer.optimizers:
+        if _has_trainer(self) and self.trainer.optimizers:
             set_schedule_free_mode(self.trainer.optimizers[0], train=False)
 
     def on_validation_epoch_end(self) -> None:
         """Schedule-Free: back to the training point ``y`` before checkpoints and the next step."""
-        if self._trainer is not None and self.trainer.optimizers:
+        if _has_trainer(self) and self.trainer.optimizers:
             set_schedule_free_mode(self.trainer.optimizers[0], train=True)
 
     # -- checkpoint extras ----------------------------------------------------------------------
@@ -429,7 +438,7 @@ class VisionLanguage(CausalLM):
         kv = vlm.cross_attn_n_kv_heads
         if vlm.arch == "cross_attention" and kv is not None and kv % dims.tp:
             raise MeshConfigError(f"tp={dims.tp} must divide vlm.cross_attn_n_kv_heads={kv}.")
-        strategy = self.trainer.strategy if self._trainer is not None else None
+        strategy = self.trainer.strategy if _has_trainer(self) else None
         if getattr(strategy, "sequence_parallel", False):
             raise MeshConfigError("sequence_parallel=True is not supported for VisionLanguage; set it to False.")
         if getattr(strategy, "float8_recipe", None) is not None:
@@ -447,7 +456,7 @@ class VisionLanguage(CausalLM):
         Raises:
             ValueError: ``sequence_length(max_frames * n_visual, max_text_len) > max_seq_len`` (names the numbers).
         """
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(self.trainer, "datamodule", None) if _has_trainer(self) else None
         max_text = getattr(datamodule, "max_text_len", None)
         if max_text is not None:
             frames = getattr(datamodule, "max_frames", None) or 1
@@ -535,7 +544,7 @@ class VisionLanguage(CausalLM):
         """AdamW over every parameter trainable under the initial spec or any ``FreezeSchedule`` step, with
         its state created up front (:func:`~kempnerforge.training.freeze.init_adamw_state`), and the schedule."""
         specs = [self.freeze]
-        for cb in self.trainer.callbacks if self._trainer is not None else []:
+        for cb in self.trainer.callbacks if _has_trainer(self) else []:
             specs += cb.specs if isinstance(cb, FreezeSchedule) else []
         keep = {id(p) for p in ever_trainable(self.model, specs)}
         flags = {p: p.requires_grad for p in self.model.parameters()}

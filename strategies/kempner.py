@@ -182,6 +182,7 @@ class KempnerStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         """Initialize the process group, validate the degrees, build the world mesh and log it."""
+        # The parent's setup_environment would build its own 2-D mesh; its process-group half is this private method.
         self._setup_distributed()
         if self.cpu_keep_freed_memory and self.root_device.type == "cpu":
             keep_freed_memory()
@@ -201,7 +202,7 @@ class KempnerStrategy(ModelParallelStrategy):
             n_layers = self.lightning_module.config.n_layers
             self.pipeline = PipelineRunner(self.parallel_mesh.pp, n_layers, **self.pp_options)
         self._device_mesh = self.parallel_mesh.world
-        self.lightning_module._device_mesh = self._device_mesh
+        self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy does (no public setter)
         rank_zero_info(self.parallel_mesh.describe())
         log.debug(self.parallel_mesh.describe())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -27,9 +28,14 @@ from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
 OPTIMIZER_SAVE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 
 
+def unwrap_optimizer(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
+    """The torch optimizer inside a ``LightningOptimizer`` (what ``trainer.optimizers`` may hold), else itself."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
 def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
     """The flattened, sharded optimizer state dict written to DCP (see :data:`OPTIMIZER_SAVE_OPTIONS`)."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
+    optimizer = unwrap_optimizer(optimizer)
     return get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_SAVE_OPTIONS)
 
 
@@ -48,7 +54,7 @@ def load_model_and_optimizers(
     io.load_sharded(model_state, path)
     set_model_state_dict(model, model_state["state_dict"], options=options)
     for i, optimizer in enumerate(optimizers):
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps the real one
+        optimizer = unwrap_optimizer(optimizer)
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(model, optimizer, options=options)}
         io.load_sharded(optim_state, path)

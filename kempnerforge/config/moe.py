@@ -1,18 +1,44 @@
 """Validation and parameter counting for the Mixture-of-Experts fields of :class:`ModelConfig`.
 
 Kept apart from ``model.py`` so the dense config stays readable; ``ModelConfig.__post_init__`` calls
-:func:`validate_moe` and ``num_params`` / ``num_active_params`` call :func:`moe_layer_params`.
+:func:`validate_moe` and ``num_params`` / ``num_active_params`` call :func:`moe_layer_params`. The
+functions take any object with the fields of :class:`MoEFields` (``ModelConfig`` has them), so this
+module needs nothing from ``model.py`` and the two do not import each other.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kempnerforge.config.model import ModelConfig
+from typing import Protocol
 
 #: Router scoring functions: Mixtral / Qwen-MoE softmax, DeepSeek-V3 sigmoid.
 ROUTERS = ("softmax", "sigmoid")
+
+
+class MoEFields(Protocol):
+    """The fields of :class:`~kempnerforge.config.model.ModelConfig` that MoE validation and parameter
+    counting read (see ``ModelConfig`` for their meaning and units)."""
+
+    dim: int
+    n_layers: int
+    num_experts: int
+    top_k: int
+    moe_frequency: int
+    n_shared_experts: int
+    expert_width_multiplier: float
+    shared_expert_gate: bool
+    router: str
+    route_scale: float
+    aux_loss_weight: float
+    seq_aux_loss_weight: float
+    z_loss_weight: float
+    capacity_factor: float
+    bias_update_rate: float
+
+    @property
+    def ffn_hidden(self) -> int: ...
+
+    @property
+    def expert_hidden(self) -> int: ...
 
 
 def _is_int(value: object) -> bool:
@@ -23,7 +49,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def validate_moe(cfg: ModelConfig) -> None:
+def validate_moe(cfg: MoEFields) -> None:
     """Check the MoE fields of ``cfg``; with ``num_experts == 0`` (dense) only their types and signs.
 
     Raises:
@@ -77,7 +103,7 @@ def validate_moe(cfg: ModelConfig) -> None:
         raise ValueError("ModelConfig.shared_expert_gate=True needs n_shared_experts >= 1")
 
 
-def moe_layer_params(cfg: ModelConfig, active: bool) -> int:
+def moe_layer_params(cfg: MoEFields, active: bool) -> int:
     """Parameters of one MoE feed-forward (router, routed experts, shared experts, shared gate).
 
     Args:

@@ -20,7 +20,7 @@ _EXPORTS = {
     "ResumableDistributedSampler": "datamodule",
     "TokenDataModule": "datamodule",
     "PackedTokenStream": "hf_dataset",
-    "load_local_dataset": "hf_dataset",
+    "load_local_dataset": "sources",
     "StreamingTokenDataModule": "streaming",
     "load_tokenizer": "prepare",
     "prepare_data": "prepare",

@@ -16,6 +16,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from kempnerforge.data.memmap import MemmapTokenDataset
 from kempnerforge.data.prepare import METADATA_FILE, is_prepare_artifact
 from kempnerforge.data.prepare import prepare_data as _prepare_shards
+from kempnerforge.data.sources import source_fingerprint
 
 
 class ResumableDistributedSampler(StatefulDistributedSampler):
@@ -135,13 +136,11 @@ class TokenDataModule(L.LightningDataModule):
         """Tokenizes ``source`` into ``data_dir`` unless a preparation of the same inputs is there (rank 0 only).
 
         The shards are reused when ``metadata.json`` records the same fingerprint (source files, tokenizer,
-        ``text_field``: :func:`~kempnerforge.data.hf_dataset.source_fingerprint`); a changed input is
+        ``text_field``: :func:`~kempnerforge.data.sources.source_fingerprint`); a changed input is
         re-tokenized with a warning, never silently reused. Leftover shards of an interrupted or outdated
         preparation are replaced; any other file in ``data_dir`` makes :func:`prepare_data` refuse rather
         than mix data.
         """
-        from kempnerforge.data.hf_dataset import source_fingerprint
-
         root = Path(self.data_dir)
         if self.source is None:
             return

@@ -1,4 +1,4 @@
-"""Hugging Face datasets from local files: a checked ``load_dataset`` spec and a streaming, packed token stream.
+"""A streaming, packed token stream over a Hugging Face dataset from local files.
 
 Two ways to train on a Hugging Face dataset:
 
@@ -9,16 +9,13 @@ Two ways to train on a Hugging Face dataset:
   data-parallel ranks and dataloader workers with ``datasets.distributed.split_dataset_by_node``, and
   resumable through torchdata's ``StatefulDataLoader`` (the packing buffer is part of the state).
 
-Only local data is accepted: a spec naming a Hub dataset is refused before anything is fetched.
+Only local data is accepted: a spec naming a Hub dataset is refused before anything is fetched
+(:func:`~kempnerforge.data.sources.check_dataset_spec`).
 """
 
 from __future__ import annotations
 
-import glob
-import hashlib
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,106 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from kempnerforge.data.packing import pack_sample
 from kempnerforge.data.prepare import load_tokenizer
-
-# Packaged builders of `datasets` that read local files only.
-LOCAL_BUILDERS = ("text", "json", "parquet", "csv", "arrow")
-_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens")
-
-
-def _local_paths(value: Any, field: str) -> list[Path]:
-    """Expands a ``data_files`` / ``data_dir`` value (str, list or split dict) into existing local paths.
-
-    Raises:
-        ValueError: a pattern matching no local file (a remote URL matches nothing).
-    """
-    if isinstance(value, dict):
-        return [p for v in value.values() for p in _local_paths(v, field)]
-    patterns = [value] if isinstance(value, str) else list(value)
-    found: list[Path] = []
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            raise ValueError(f"source.{field} must hold path strings, got {pattern!r}")
-        matches = sorted(glob.glob(str(Path(pattern).expanduser()), recursive=True))
-        if not matches:
-            raise ValueError(f"source.{field}: {pattern!r} matches no local file (only local data is read)")
-        found += [Path(m).resolve() for m in matches]
-    return found
-
-
-def check_dataset_spec(spec: dict[str, Any]) -> list[Path]:
-    """Checks a ``datasets.load_dataset`` spec names local data only; returns the local paths it reads.
-
-    ``spec`` holds ``load_dataset`` keyword arguments: ``path`` (one of :data:`LOCAL_BUILDERS` or a local
-    dataset folder), ``data_files`` and/or ``data_dir``, optional ``split`` (default ``"train"``) and any other
-    builder option (e.g. ``sample_by`` for ``text``). ``streaming`` is set by the caller.
-
-    Raises:
-        ValueError: ``spec`` is not a dict, has no ``path``, sets ``streaming``, names a Hub dataset, or a
-            pattern matches no local file.
-    """
-    if not isinstance(spec, dict) or "path" not in spec:
-        raise ValueError(f"source spec must be a dict of datasets.load_dataset arguments with a 'path', got {spec!r}")
-    if "streaming" in spec:
-        raise ValueError("source.streaming is set by the data module (streaming or eager), not in the spec")
-    path = spec["path"]
-    if path not in LOCAL_BUILDERS and not Path(str(path)).expanduser().is_dir():
-        raise ValueError(
-            f"source.path={path!r} is neither a local builder {LOCAL_BUILDERS} nor a local folder; "
-            "Hub datasets are not fetched"
-        )
-    paths = [] if path in LOCAL_BUILDERS else [Path(path).expanduser().resolve()]
-    for field in ("data_files", "data_dir"):
-        if spec.get(field) is not None:
-            paths += _local_paths(spec[field], field)
-    if not paths:
-        raise ValueError(f"source.path={path!r} needs data_files or data_dir naming local files")
-    return paths
-
-
-def load_local_dataset(spec: dict[str, Any], streaming: bool = True) -> Any:
-    """``datasets.load_dataset(**spec, streaming=streaming)`` after :func:`check_dataset_spec`.
-
-    Returns:
-        A ``datasets.IterableDataset`` (streaming) or ``datasets.Dataset`` for ``spec["split"]``
-        (default ``"train"``).
-
-    Raises:
-        ValueError: see :func:`check_dataset_spec`.
-    """
-    import datasets
-
-    check_dataset_spec(spec)
-    return datasets.load_dataset(**{"split": "train", **spec}, streaming=streaming)
-
-
-def _file_stamps(paths: list[Path]) -> list[list[Any]]:
-    files = sorted({f for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file()})
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
-
-def tokenizer_fingerprint(tokenizer: str) -> str:
-    """SHA-256 over the tokenizer's own files (``tokenizer*``, ``vocab*``, ``merges*``, ...), not model weights."""
-    path = Path(tokenizer).expanduser().resolve()
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    digest = hashlib.sha256()
-    for f in files:
-        if f.name.startswith(_TOKENIZER_FILE_PREFIXES) or f.suffix == ".model" or f == path:
-            digest.update(f.name.encode() + b"\0" + f.read_bytes())
-    return digest.hexdigest()
-
-
-def source_fingerprint(source: str | dict[str, Any], tokenizer: str, text_field: str) -> str:
-    """Hex digest identifying a preparation: the source (spec, file paths, sizes, mtimes), tokenizer and field.
-
-    Like ``make`` and the ``datasets`` cache, a source file is taken as changed when its size or modification
-    time changes (hashing a large corpus on every start would cost as much as tokenizing it).
-    """
-    if isinstance(source, dict):
-        described: Any = {"spec": source, "files": _file_stamps(check_dataset_spec(source))}
-    else:
-        described = {"path": str(Path(source).expanduser().resolve()), "files": _file_stamps([Path(source)])}
-    blob = json.dumps([described, tokenizer_fingerprint(tokenizer), text_field], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+from kempnerforge.data.sources import load_local_dataset
 
 
 class PackedTokenStream(IterableDataset):

@@ -132,7 +132,7 @@ class MixtureDataModule(TokenDataModule):
         """Infinite loader of ``{"input_ids", "labels", "source"}`` drawn from the mixture."""
         self.setup("fit")
         rank, dp = self.dp_rank_and_size()
-        trainer = getattr(self, "_trainer", None)
+        trainer = self.trainer  # LightningDataModule.trainer: None until a Trainer attaches it
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         sampler = MixtureSampler(
             self.train_sizes, self.schedule, self.micro_batch_size * dp * accumulate, rank, dp, self.data_seed

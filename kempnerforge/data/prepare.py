@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from kempnerforge.data.sources import load_local_dataset, source_fingerprint
+
 METADATA_FILE = "metadata.json"
 SHARD_PATTERN = "shard_{:05d}.npy"
 # Files prepare_data itself writes; only these are removed by overwrite=True.
@@ -243,15 +245,13 @@ def iter_source(
     Accepted: a ``.txt`` file; a ``.json``/``.jsonl``/``.parquet`` file; a ``save_to_disk``
     folder; a folder of ``.txt`` files or of json/jsonl or parquet files (recursive, sorted); a dict of
     ``datasets.load_dataset`` arguments naming local data (one document per row; see
-    :func:`~kempnerforge.data.hf_dataset.check_dataset_spec`).
+    :func:`~kempnerforge.data.sources.check_dataset_spec`).
 
     Raises:
         FileNotFoundError: ``source`` does not exist.
         ValueError: unsupported suffix, empty folder, mixed formats in one folder, or a non-local spec.
     """
     if isinstance(source, dict):
-        from kempnerforge.data.hf_dataset import load_local_dataset
-
         return _iter_hf_text(load_local_dataset(source, streaming=True), text_field, repr(source), batch_size), None
     path = Path(source).expanduser().resolve()
     if not path.exists():
@@ -452,7 +452,7 @@ def prepare_data(
         The metadata written to ``metadata.json``: ``tokenizer``, ``vocab_size``, ``dtype``,
         ``num_tokens``, ``eos_id``, ``shards`` (``[{"file", "num_tokens"}]``), ``source``,
         ``text_field``, ``num_documents``, ``num_empty_documents`` (skipped), ``max_token_id``,
-        ``fingerprint`` (:func:`~kempnerforge.data.hf_dataset.source_fingerprint` of source, tokenizer and
+        ``fingerprint`` (:func:`~kempnerforge.data.sources.source_fingerprint` of source, tokenizer and
         ``text_field``, taken before reading; ``TokenDataModule`` reuses the shards while it matches).
 
     Raises:
@@ -468,8 +468,6 @@ def prepare_data(
     ):
         if value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value}")
-    from kempnerforge.data.hf_dataset import source_fingerprint
-
     tok = load_tokenizer(tokenizer)
     fingerprint = source_fingerprint(source, tokenizer, text_field)
     pieces, num_docs = iter_source(source, text_field, text_chunk_chars, batch_size)

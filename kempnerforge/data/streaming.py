@@ -8,8 +8,9 @@ import lightning as L
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from kempnerforge.data.hf_dataset import PackedTokenStream, check_dataset_spec
+from kempnerforge.data.hf_dataset import PackedTokenStream
 from kempnerforge.data.prepare import load_tokenizer
+from kempnerforge.data.sources import check_dataset_spec
 
 # Windows the endless training stream reports as its length (about 10**12): no run reaches it.
 ENDLESS_WINDOWS = 2**40

@@ -1,11 +1,13 @@
-"""Metric math the callbacks call: FLOPs per token and MFU, device peaks, memory statistics."""
+"""Metric math the callbacks call: FLOPs per token and MFU, device peaks, memory statistics, perplexity."""
 
 from kempnerforge.metrics.flops import mfu, moe_active_params, sum_flops_per_token, transformer_flops_per_token
 from kempnerforge.metrics.memory import memory_stats, peak_rss_bytes, process_rss_bytes
 from kempnerforge.metrics.peak import GPU_PEAK_BF16_FLOPS, device_peak_flops, gpu_peak_flops, matmul_peak
+from kempnerforge.metrics.perplexity import TokenPerplexity
 
 __all__ = [
     "GPU_PEAK_BF16_FLOPS",
+    "TokenPerplexity",
     "device_peak_flops",
     "gpu_peak_flops",
     "matmul_peak",

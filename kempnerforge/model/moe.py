@@ -2,7 +2,7 @@
 
 Follows Mixtral (arXiv:2401.04088) and Qwen-MoE for softmax routing, DeepSeek-V3 (arXiv:2412.19437)
 for sigmoid routing with shared experts, Switch Transformer (arXiv:2101.03961) for capacity, and
-torchtitan v0.2 (``torchtitan/models/moe``) for packed expert weights run through ``torch._grouped_mm``.
+torchtitan v0.2 (``torchtitan/models/moe``) for packed expert weights run through ``torch.nn.functional.grouped_mm``.
 Numerically equal to the HF ``MixtralSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` / ``DeepseekV3MoE``
 with the weights copied (see ``tests/unit/test_moe_hf_parity.py``).
 """
@@ -24,16 +24,16 @@ from kempnerforge.parallel.ep_dispatch import ScaleGrad, dispatch_combine
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """True when this torch build runs ``torch._grouped_mm`` for ``x``'s device and dtype (probed once
-    per (device type, dtype); the answer is cached)."""
+    """True when this torch build runs the grouped GEMM (:data:`_GROUPED_MM`) for ``x``'s device and dtype
+    (probed once per (device type, dtype); the answer is cached)."""
     key = (x.device.type, x.dtype)
     if key not in _GROUPED_MM_PROBE:
-        ok = hasattr(torch, "_grouped_mm")
+        ok = _GROUPED_MM is not None
         if ok:
             try:
                 a = torch.ones(2, 8, device=x.device, dtype=x.dtype)
                 b = torch.ones(2, 8, 8, device=x.device, dtype=x.dtype)
-                torch._grouped_mm(a, b, offs=torch.tensor([1, 2], device=x.device, dtype=torch.int32))
+                _GROUPED_MM(a, b, offs=torch.tensor([1, 2], device=x.device, dtype=torch.int32))
             except (RuntimeError, NotImplementedError):
                 ok = False
         _GROUPED_MM_PROBE[key] = ok
@@ -41,12 +41,15 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 _GROUPED_MM_PROBE: dict[tuple[str, torch.dtype], bool] = {}
+#: The grouped GEMM: public ``torch.nn.functional.grouped_mm`` (a thin wrapper of the same kernel) where
+#: this torch has it, else the private op it wraps (older torch), else None (the per-expert loop).
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_grouped: bool = True) -> torch.Tensor:
     """Row groups of ``x`` times their expert's weight: ``out[rows of e] = x[rows of e] @ w[e].T``.
 
-    Uses ``torch._grouped_mm`` (one kernel, no host sync) when ``use_grouped`` and the build supports
+    Uses ``torch.nn.functional.grouped_mm`` (one kernel, no host sync) when ``use_grouped`` and the build supports
     it for this device/dtype; otherwise an exact per-expert loop over ``x.split(counts)`` (one host
     sync for the split sizes). Experts with zero rows are fine on both paths.
 
@@ -61,7 +64,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_group
     """
     if use_grouped and grouped_mm_supported(x):
         offs = torch.cumsum(counts, dim=0).to(torch.int32)
-        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        out = _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
         if out.requires_grad:
             # The CPU backward rejects expanded (stride-0) output grads, e.g. from a plain .sum().
             out.register_hook(lambda g: g.contiguous())
@@ -182,6 +185,7 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
         route = self.router(tokens, self._routing_for_recompute())
+        # torch._C._current_graph_task_id: -1 outside a backward; torch has no public way to tell (checkpoint uses it).
         if self.save_routing and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self._saved_indices = route.indices.detach()  # one slot: the next backward's recompute uses it
         flat_experts = route.indices.reshape(-1)  # (tokens * top_k,), assignment a = token * k + slot

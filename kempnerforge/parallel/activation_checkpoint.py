@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+# Private module, no public equivalent: its wrapper strips its own FQN prefix from state dicts (DCP relies on it).
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     CheckpointWrapper,

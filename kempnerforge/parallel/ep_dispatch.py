@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+# No public autograd-aware, compile-traceable all-to-all with uneven splits in torch 2.13 (torchtitan uses this one).
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 

@@ -40,7 +40,7 @@ def _cpu_norm(g: torch.Tensor) -> torch.Tensor:
 
 def _group_norm(group: list[torch.Tensor]) -> torch.Tensor:
     if group[0].device.type != "cpu":
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(group)))
+        return torch.nn.utils.get_total_norm(group)  # foreach norms, then the norm of those
     if isinstance(group[0], DTensor):
         # DTensor's norm rules need the whole (sharded) tensor; accumulate in fp64 for the accuracy above.
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in group]))
@@ -113,5 +113,6 @@ def clip_grad_norm_(
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     with torch.no_grad():
         for grads in by_mesh.values():
+            # torch's documented foreach op (clip_grads_with_norm_ uses it; its coefficient cannot carry grad_scale).
             torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm

@@ -136,6 +136,7 @@ class ParallelMesh:
     @cached_property
     def dp(self) -> DeviceMesh:
         """Data-loading / loss mesh (``dp_replicate x dp_shard`` flattened): sampler rank and size."""
+        # DeviceMesh has no public flatten / unflatten in torch 2.13 (torchtitan uses the same two calls).
         return self.world["dp_replicate", "dp_shard"]._flatten("dp")
 
     @cached_property
@@ -161,6 +162,7 @@ class ParallelMesh:
         ranks are neighbours), as torchtitan v0.2; both axes share the world mesh as root, so FSDP2 over
         ``dp_shard_mod_ep`` composes with expert DTensors on ``ep``."""
         ep = self.dims.ep
+        # Private DeviceMesh API, as in `dp`: no public unflatten in torch 2.13.
         return self.world["dp_shard"]._unflatten(0, (self.dims.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
 
     @cached_property

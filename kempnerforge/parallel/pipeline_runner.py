@@ -110,11 +110,12 @@ class PipelineRunner:
             if isinstance(stage, FSDPModule):
                 stage.to_empty(device=device)
         for module in model.modules():
-            for store in (module._parameters, module._buffers):
-                for name, t in store.items():
-                    if t is not None and t.is_meta:
-                        new = torch.empty_like(t, device=device)
-                        store[name] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            for name, t in own:
+                if t.is_meta:
+                    new = torch.empty_like(t, device=device)
+                    # setattr on a registered name replaces it in place (a buffer keeps its persistence).
+                    setattr(module, name, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
         with torch.no_grad():
             model.init_weights(seed=seed)
 
@@ -206,16 +207,12 @@ class PipelineRunner:
 def update_validation_metrics(module: object, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:
     """Feed a pipelined validation batch into ``CausalLM``'s ``val_loss`` / ``val_ppl`` and log them.
 
-    ``val_ppl`` (torchmetrics ``Perplexity``) accumulates the summed negative log-likelihood and the
-    token count, which is exactly the pipeline's ``loss_sum`` and ``n_targets``; the result equals an
-    unsplit model's ``validation_step`` (which needs the logits, here only on the last stage).
+    ``val_ppl`` (:class:`~kempnerforge.metrics.perplexity.TokenPerplexity`) takes the summed negative
+    log-likelihood and the token count, which is exactly the pipeline's ``loss_sum`` and ``n_targets``;
+    the result equals an unsplit model's ``validation_step``.
     """
     n = n_targets.to(loss_sum.dtype)
     module.val_loss.update(loss_sum / n.clamp(min=1), weight=n)
-    module.val_ppl.total_log_probs += loss_sum.to(module.val_ppl.total_log_probs.dtype)
-    module.val_ppl.count += n_targets.to(module.val_ppl.count.dtype)
-    # What Metric.update's wrapper records, so compute() and the cross-rank sync see an updated metric.
-    module.val_ppl._update_count += 1
-    module.val_ppl._computed = None
+    module.val_ppl.update(loss_sum, n_targets)
     module.log("val/loss", module.val_loss, prog_bar=True)
     module.log("val/ppl", module.val_ppl)

@@ -126,9 +126,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         raise TypeError(f"{type(model).__name__} declares no tp_plan(); tensor parallelism cannot be applied.")
     plan = model.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     # A pipeline stage's model holds None where another stage owns the module (embedding, norm, head;
-    # kempnerforge.parallel.pipeline.prune_to_stages): those root entries are skipped, not "unmatched".
-    pruned = {name for name, child in model._modules.items() if child is None}
-    plan.root = {k: v for k, v in plan.root.items() if k.split(".")[0] not in pruned}
+    # kempnerforge.parallel.pipeline.prune_to_stages): those root entries are skipped, not "unmatched"
+    # (a name the model lacks altogether gets the non-None default and is reported below).
+    plan.root = {k: v for k, v in plan.root.items() if getattr(model, k.split(".")[0], model) is not None}
     blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
     if not plan.root and not plan.block:
         raise ValueError(f"{type(model).__name__}.tp_plan() is empty: tensor parallelism would do nothing.")

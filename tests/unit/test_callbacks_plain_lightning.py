@@ -92,3 +92,22 @@ def test_preemption_waits_for_the_optimizer_step_with_gradient_accumulation(tmp_
     assert trainer.global_step == 1  # signalled at micro-batch 0, saved after micro-batch 1 (the step)
     assert preemption.saved_path == tmp_path / "checkpoints" / "step=000001.ckpt"
     assert torch.load(preemption.saved_path, weights_only=False)["global_step"] == 1
+
+
+def test_preemption_save_is_not_repeated_by_model_checkpoint(tmp_path):
+    # ModelCheckpoint runs after Preemption and saves at epoch end; Preemption marks the step as saved
+    # (Lightning has no public API for that) so the same step is not written again as "...-v1.ckpt".
+    preemption = Preemption(signals=["SIGUSR1"])
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=5,
+        limit_val_batches=0,
+        accelerator="cpu",
+        callbacks=[_SignalAtFirstBatch(), preemption],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    assert trainer.global_step == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch=0-step=1.ckpt"]

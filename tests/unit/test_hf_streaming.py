@@ -11,9 +11,10 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from kempnerforge.data.hf_dataset import PackedTokenStream, check_dataset_spec
+from kempnerforge.data.hf_dataset import PackedTokenStream
 from kempnerforge.data.memmap import MemmapTokenDataset
 from kempnerforge.data.prepare import load_tokenizer, prepare_data
+from kempnerforge.data.sources import check_dataset_spec
 from kempnerforge.data.streaming import StreamingTokenDataModule
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated", "ignore:.*does not have many workers")

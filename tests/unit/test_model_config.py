@@ -66,3 +66,13 @@ def test_defaults_are_valid_and_round_trip():
 def test_flops_per_token_rejects_bad_seq_len():
     with pytest.raises(ValueError, match="seq_len must be a positive integer"):
         ModelConfig().flops_per_token(0)
+
+
+def test_model_config_has_every_field_moe_validation_reads():
+    # config/moe.py types its argument by the MoEFields protocol instead of importing ModelConfig
+    # (no import circle); a field renamed in one place only would slip past the type checker's users.
+    from kempnerforge.config.moe import MoEFields
+
+    cfg = ModelConfig(num_experts=4, top_k=2)
+    needed = set(MoEFields.__annotations__) | {"ffn_hidden", "expert_hidden"}
+    assert all(hasattr(cfg, name) for name in needed), sorted(n for n in needed if not hasattr(cfg, n))
