@@ -188,7 +188,8 @@ class DCPCheckpointIO(CheckpointIO):
         _barrier()  # every rank has written its shards and rank file
         if _rank() == 0:
             self._mark_complete(tmp, path)
-            self._submit(self._run_commit_hooks, path)
+            if self._commit_hooks:
+                self._submit(self._run_commit_hooks, path)
         _barrier()
 
     def _group(self) -> Any:
