@@ -73,7 +73,7 @@ def test_async_save_top_k_1_always_leaves_a_complete_checkpoint(tmp_path, shakes
     first = next((i for i, name in enumerate(names) if name is not None), len(names))
     # Once a save has completed there is always one to resume from. Before, ModelCheckpoint's removal of the
     # previous checkpoint ran at once, leaving only a .partial (and `latest` naming a deleted folder).
-    assert None not in names[first:] and first < STEPS // 2, watch.seen
+    assert None not in names[first:] and len(names) - first >= 3, watch.seen
     assert sorted(p.name for p in folder.iterdir()) == ["latest", f"step={STEPS:04d}.ckpt"]
 
 
