@@ -22,13 +22,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from kempnerforge.callbacks import Preemption
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
-from kempnerforge.resilience.auto_resume import checkpoint_dir, find_resume_checkpoint
+from kempnerforge.resilience.auto_resume import AUTO, AutoResume, checkpoint_dir, find_resume_checkpoint
+from kempnerforge.strategies import KempnerStrategy
 
 #: Tools that are not Lightning subcommands, dispatched before LightningCLI parses ``argv``.
 TOOLS = ("prepare-data", "generate", "convert", "eval", "check-env")
-#: ``--ckpt_path`` value (the default) that resumes from the newest complete checkpoint, if any.
-AUTO = "auto"
-
 #: File in a WandbLogger's ``save_dir`` holding the run id that a resumed run continues.
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
@@ -67,7 +65,7 @@ def keep_wandb_run_id(trainer: Any, ckpt_path: str | None, logger_config: Any = 
             rank_zero_warn(f"{type(logger).__name__} not built from the config: its W&B run id is not kept on resume.")
             continue
         id_file = Path(logger.save_dir or ".") / WANDB_RUN_ID_FILE
-        if ckpt_path is not None and id_file.is_file():
+        if _resumes(ckpt_path) and id_file.is_file():
             run_id = id_file.read_text().strip()
             rank_zero_info(f"Resuming W&B run {run_id} (from {id_file})")
         else:
@@ -78,6 +76,11 @@ def keep_wandb_run_id(trainer: Any, ckpt_path: str | None, logger_config: Any = 
         replaced = True
     if replaced:
         trainer.loggers = loggers
+
+
+def _resumes(ckpt_path: str | None) -> bool:
+    # --ckpt_path auto resumes only when there is a checkpoint (rank 0's pick is cached for the strategy).
+    return ckpt_path.choose() is not None if isinstance(ckpt_path, AutoResume) else ckpt_path is not None
 
 
 def _write_id(path: Path, run_id: str) -> None:
@@ -147,11 +150,19 @@ def component_errors(report: str) -> list[str]:
 
 
 def resolve_auto_ckpt_path(config: Any, trainer: Any) -> None:
-    """Replace ``ckpt_path == "auto"`` in a subcommand's config by the newest complete checkpoint or None."""
+    """Replace ``ckpt_path == "auto"`` in a subcommand's config by what resumes from the checkpoint folder.
+
+    With ``KempnerStrategy``: an :class:`~kempnerforge.resilience.auto_resume.AutoResume` of the folder, which
+    the strategy resolves on global rank 0 once the process group exists and broadcasts (this runs before
+    there is one). With any other strategy: this process's own pick, the newest complete checkpoint or None.
+    """
     if str(config.get("ckpt_path")) != AUTO:
         return
     preemption = [cb for cb in trainer.callbacks if isinstance(cb, Preemption) and cb.dirpath is not None]
     folder = checkpoint_dir(trainer, preemption[0].dirpath if preemption else None)
+    if isinstance(trainer.strategy, KempnerStrategy):
+        config["ckpt_path"] = AutoResume(folder)
+        return
     found = find_resume_checkpoint(folder)
     if found is None:
         rank_zero_info(f"Auto-resume: no complete checkpoint in {folder}; starting fresh.")

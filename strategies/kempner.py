@@ -21,10 +21,16 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from typing_extensions import override
 
 from kempnerforge.checkpoint.compat import model_config_diff
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, CheckpointError, DCPCheckpointIO
-from kempnerforge.checkpoint.sharded_state import load_model_and_optimizers, optimizer_state
+from kempnerforge.checkpoint.sharded_state import (
+    fresh_start_meta,
+    load_model_and_optimizers,
+    model_state,
+    optimizer_state,
+)
 from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_state
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
 from kempnerforge.parallel.compile import apply_compile
@@ -36,6 +42,8 @@ from kempnerforge.parallel.order import record_step
 from kempnerforge.parallel.pipeline import validate_pipeline_options, validate_pipeline_run
 from kempnerforge.parallel.pipeline_runner import PipelineRunner, update_validation_metrics
 from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
+from kempnerforge.resilience.auto_resume import AutoResume
+from kempnerforge.resilience.first_failure import note_first_failure
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory
 
 log = logging.getLogger(__name__)
@@ -91,9 +99,10 @@ class KempnerStrategy(ModelParallelStrategy):
             ~30% faster CPU steps for one model training alone (the debug recipe turns it on), but
             the heap can fragment and grow when several models with different shapes allocate in one
             process, so it is off by default. No effect on CUDA runs.
-        async_checkpoint: write DCP shards in the background after a staged copy
-            (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO` ``async_save``); the ``COMPLETE``
-            marker and ``latest`` still move only once every rank finished (at the next save or end of fit).
+        async_checkpoint: the training thread only copies each rank's shards to host memory (DCP's
+            ``DefaultStager``: pinned buffers on CUDA); DCP writes them in the background, and the
+            ``COMPLETE`` marker and ``latest`` move as soon as every rank's shards are written
+            (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO` ``async_save``).
 
     Raises:
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
@@ -168,7 +177,8 @@ class KempnerStrategy(ModelParallelStrategy):
         self.compile = compile
         self.cpu_keep_freed_memory = cpu_keep_freed_memory
         self.parallel_mesh: ParallelMesh | None = None
-        self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint)
+        self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint, timeout=timeout)
+        self._failure: BaseException | None = None
         validate_pipeline_options(pp, pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points)
         self.pp_options = {
             "schedule": pp_schedule,
@@ -289,6 +299,14 @@ class KempnerStrategy(ModelParallelStrategy):
         if io is not None:
             self._checkpoint_io = io
 
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's sharded state on its device (no ``cpu_offload`` copy on the training thread: the
+        checkpoint IO stages it, see :func:`~kempnerforge.checkpoint.sharded_state.model_state`)."""
+        assert self.model is not None
+        return model_state(self.model)
+
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's sharded state, flattened per parameter FQN (loads under another pp degree)."""
         assert self.model is not None
@@ -303,8 +321,17 @@ class KempnerStrategy(ModelParallelStrategy):
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Restore model and optimizer shards in place (resharding), then return Lightning's metadata."""
-        path = self.checkpoint_io.resolve(self.broadcast(str(checkpoint_path)))
+        """Restore model and optimizer shards in place (resharding), then return Lightning's metadata.
+
+        The path is global rank 0's, broadcast; for ``--ckpt_path auto``
+        (:class:`~kempnerforge.resilience.auto_resume.AutoResume`) rank 0 alone picks the checkpoint, and
+        when it finds none every rank starts fresh (metadata that restores nothing).
+        """
+        chosen = self._agreed_checkpoint_path(checkpoint_path)
+        if chosen is None:
+            self.lightning_module.trainer.ckpt_path = None  # Lightning then reports no restore
+            return fresh_start_meta()
+        path = self.checkpoint_io.resolve(chosen)
         assert self.model is not None and self.parallel_mesh is not None
         meta = self.checkpoint_io.load_checkpoint(path)
         # An imported checkpoint (kforge convert hf-to-dcp) holds weights only: optimizer, schedule,
@@ -342,10 +369,37 @@ class KempnerStrategy(ModelParallelStrategy):
         )
         return meta
 
+    def _agreed_checkpoint_path(self, checkpoint_path: _PATH) -> str | None:
+        """Global rank 0's checkpoint path on every rank (for :class:`AutoResume`, rank 0's choice; None: fresh)."""
+        choice: Any = checkpoint_path
+        if isinstance(checkpoint_path, AutoResume):
+            choice = checkpoint_path.choose() if self.is_global_zero else None
+            if choice is None:
+                rank_zero_info(f"Auto-resume: no complete checkpoint in {checkpoint_path.folder}; starting fresh.")
+            else:
+                rank_zero_info(f"Auto-resume: resuming from {choice}.")
+        return self.broadcast(None if choice is None else str(choice))
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Remember the failure, so :meth:`teardown` makes no collective call, and put the first failing rank's
+        error on this one (:func:`~kempnerforge.resilience.first_failure.note_first_failure`)."""
+        self._failure = exception
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            env = self.cluster_environment
+            note_first_failure(exception, self.global_rank, env.main_address, env.main_port)
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
-        """Complete a pending async checkpoint (``ModelParallelStrategy.teardown`` skips
-        ``checkpoint_io.teardown``), then Lightning's teardown."""
-        self.checkpoint_io.teardown()
+        """Finish the checkpoint IO's background work (``ModelParallelStrategy.teardown`` skips
+        ``checkpoint_io.teardown``), then Lightning's teardown. After an exception nothing is awaited and no
+        collective runs (the other ranks may be stuck in one, or gone): the error reaches the user at once."""
+        failure, self._failure = self._failure, None
+        if failure is None:
+            self.checkpoint_io.teardown()
+        else:
+            self.checkpoint_io.abandon()
         super().teardown()
 
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -16,18 +16,29 @@ A save goes to ``<name>.partial`` and is renamed into place only after all ranks
 then ``latest`` is replaced atomically, so a crash mid-save never leaves a directory that looks
 complete and never moves ``latest``. A directory without ``COMPLETE`` is never chosen for a resume.
 
-With ``async_save=True`` the DCP shards are written by ``torch.distributed.checkpoint.async_save``
-in a background thread after a synchronous copy of the state (staging) that finishes before
-``save_checkpoint`` returns, so the optimizer may change the parameters right away. The marker,
-the rename and ``latest`` wait until every rank's upload finished: they happen at the next save or
-at :meth:`DCPCheckpointIO.teardown` (end of ``fit``); until then the previous checkpoint stays latest.
+With ``async_save=True`` the save is ``torch.distributed.checkpoint.async_save`` with a
+:class:`~torch.distributed.checkpoint.staging.DefaultStager` kept for the run: on the training
+thread it only copies this rank's shards device-to-host (into pinned host buffers allocated at the
+first save and reused, with non-blocking copies and one synchronize, on CUDA; a plain host copy on
+CPU), then the shards are written by DCP's upload thread. A checkpoint worker thread on every rank
+waits for that upload, meets the other ranks in a barrier on a gloo group of its own (never on the
+training thread, never on training's group), and on rank 0 writes ``COMPLETE``, renames the
+directory, moves ``latest`` and runs the commit hooks (retention). So ``latest`` names the new
+checkpoint as soon as every rank's shards are on disk, not at the next save.
+
+Deletions (``ModelCheckpoint(save_top_k=...)``, :meth:`DCPCheckpointIO.remove_checkpoint`) run on
+the same worker, after every save already started has completed, and never touch the checkpoint
+``latest`` names nor one listed in ``<dirpath>/protected``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +47,33 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-META_FILE = "meta.pt"
-LATEST_FILE = "latest"
-PARTIAL_SUFFIX = ".partial"
-COMPLETE_FILE = "COMPLETE"
+from kempnerforge.checkpoint.layout import (
+    COMPLETE_FILE,
+    LATEST_FILE,
+    META_FILE,
+    PARTIAL_SUFFIX,
+    delete_checkpoint,
+    kept_reason,
+    partial_path,
+    rank_file,
+    write_latest,
+)
+
+__all__ = [
+    "COMPLETE_FILE",
+    "LATEST_FILE",
+    "META_FILE",
+    "PARTIAL_SUFFIX",
+    "WEIGHTS_ONLY_KEY",
+    "CheckpointError",
+    "DCPCheckpointIO",
+    "rank_file",
+]
+
+log = logging.getLogger(__name__)
+
 #: ``meta.pt`` key marking a checkpoint that holds model weights only (``kforge convert hf-to-dcp``):
 #: resuming from it starts a fresh optimizer, LR schedule, loop and data position.
 WEIGHTS_ONLY_KEY = "kempnerforge_weights_only"
@@ -63,38 +96,60 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def rank_file(path: Path, rank: int) -> Path:
-    """Path of rank ``rank``'s per-rank state file inside checkpoint ``path``."""
-    return path / f"rank_{rank:05d}.pt"
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, list | tuple):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def staging_options(state: dict[str, Any]) -> StagingOptions:
+    """DCP staging for ``state``: pinned host buffers and non-blocking device-to-host copies when its tensors
+    are on CUDA, a plain host copy otherwise (no shared memory: DCP's upload is a thread, not a process)."""
+    cuda = any(t.device.type == "cuda" for t in _tensors(state))
+    return StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+    )
 
 
 class DCPCheckpointIO(CheckpointIO):
-    """Lightning ``CheckpointIO`` for sharded DCP checkpoints; every rank calls every method.
+    """Lightning ``CheckpointIO`` for sharded DCP checkpoints; every rank calls :meth:`save_checkpoint`.
 
     The strategy splits Lightning's checkpoint dict: tensors that are sharded (``state_dict``,
     ``optimizer_states``) go through DCP (:meth:`load_sharded` on the way back), and the rest goes
     to ``meta.pt`` (rank 0) and ``rank_*.pt`` (each rank) through :meth:`save_checkpoint`.
 
     Args:
-        async_save: write the DCP shards in the background (see the module docstring); at most one
-            save is in flight, and it is completed (marker, rename, ``latest``) before the next one starts.
-            Enabled through ``KempnerStrategy(async_checkpoint=True)``.
+        async_save: stage and return; the shards are written and the save completed in the background
+            (see the module docstring). At most one save is in flight: the next :meth:`save_checkpoint`
+            first waits for the previous one. Enabled through ``KempnerStrategy(async_checkpoint=True)``.
+        timeout: collective timeout of the background save's gloo group (None: torch's default, 30 min).
 
     Raises:
         ValueError: ``async_save`` is not a bool.
     """
 
-    def __init__(self, async_save: bool = False) -> None:
+    def __init__(self, async_save: bool = False, timeout: timedelta | None = None) -> None:
         super().__init__()
         if not isinstance(async_save, bool):
             raise ValueError(f"DCPCheckpointIO async_save={async_save!r} is not allowed; use True or False.")
         self.async_save = async_save
-        self._pending: tuple[Future, Path, Path] | None = None
+        self.timeout = timeout
+        self._worker: ThreadPoolExecutor | None = None
+        self._tasks: list[Future] = []
+        self._stager: DefaultStager | None = None
         self._async_group: Any = None
+        self._commit_hooks: list[Callable[[Path], None]] = []
+
+    # -- saving ----------------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
-        """Write one checkpoint directory atomically and move ``latest`` to it (with ``async_save``:
-        stage and start the upload; completion happens at the next save or at :meth:`teardown`).
+        """Write one checkpoint directory atomically and move ``latest`` to it (with ``async_save``: stage this
+        rank's shards to host memory and return; the rest happens on the checkpoint worker).
 
         Args:
             checkpoint: Lightning's dict with ``state_dict`` and ``optimizer_states`` holding sharded
@@ -104,12 +159,13 @@ class DCPCheckpointIO(CheckpointIO):
 
         Raises:
             TypeError: ``storage_options`` is given.
+            CheckpointException: from DCP, when writing the previous async save or this one failed on any rank.
         """
         if storage_options is not None:
             raise TypeError("DCPCheckpointIO.save_checkpoint does not take storage_options.")
-        self.finalize_pending()  # one save in flight at most; the previous one completes first
+        self.wait()  # one save in flight at most: the previous one has completed (or raised) first
         path = Path(path)
-        tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+        tmp = partial_path(path)
         if _rank() == 0 and tmp.exists():
             shutil.rmtree(tmp)  # leftovers of a crashed save of the same step
         _barrier()
@@ -121,46 +177,109 @@ class DCPCheckpointIO(CheckpointIO):
         if _rank() == 0:
             torch.save({**checkpoint, "world_size": _world()}, tmp / META_FILE)
         if self.async_save:
-            # Staging (a copy of every tensor) completes inside async_save, before it returns.
-            self._pending = (dcp.async_save(sharded, checkpoint_id=tmp, process_group=self._group()), tmp, path)
+            group = self._group()
+            if self._stager is None:
+                self._stager = DefaultStager(staging_options(sharded))
+            # The stager's device-to-host copy is the only part on this thread; DCP's upload thread writes.
+            upload = dcp.async_save(sharded, checkpoint_id=tmp, process_group=group, async_stager=self._stager)
+            self._submit(self._finish_async, upload, tmp, path, group)
             return
         dcp.save(sharded, checkpoint_id=tmp)
-        self._commit(tmp, path)
-
-    def _group(self) -> Any:
-        # The background upload runs collectives; a group of its own keeps them apart from training's.
-        if self._async_group is None and dist.is_available() and dist.is_initialized():
-            self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
-
-    def finalize_pending(self) -> None:
-        """Wait for an async save's upload on this rank, then complete it on all ranks (collective)."""
-        if self._pending is not None:
-            future, tmp, path = self._pending
-            self._pending = None
-            future.result()
-            self._commit(tmp, path)
-
-    def teardown(self) -> None:
-        """Complete a pending async save (Lightning calls this at the end of ``fit``)."""
-        self.finalize_pending()
-
-    def _commit(self, tmp: Path, path: Path) -> None:
         _barrier()  # every rank has written its shards and rank file
         if _rank() == 0:
-            (tmp / COMPLETE_FILE).write_text(f"world_size={_world()}\n")
-            if path.exists():
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-            os.replace(tmp, path)
-            self._write_latest(path)
+            self._mark_complete(tmp, path)
+            if self._commit_hooks:
+                self._submit(self._run_commit_hooks, path)
         _barrier()
 
+    def _group(self) -> Any:
+        # The background save's collectives run on a group of their own, apart from training's.
+        if self._async_group is None and dist.is_available() and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        return self._async_group
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kforge-checkpoint")
+        self._tasks.append(self._worker.submit(fn, *args))
+
+    def _finish_async(self, upload: Future, tmp: Path, path: Path, group: Any) -> None:
+        """Checkpoint worker, every rank: this rank's upload, then all ranks' (barrier), then rank 0 completes it."""
+        upload.result()  # DCP raises on every rank when any rank's write failed
+        if group is not None:
+            dist.barrier(group=group)
+        if _rank() == 0:
+            self._mark_complete(tmp, path)
+            self._run_commit_hooks(path)
+
     @staticmethod
-    def _write_latest(path: Path) -> None:
-        pointer = path.parent / LATEST_FILE
-        tmp = pointer.with_name(LATEST_FILE + ".tmp")
-        tmp.write_text(path.name + "\n")
-        os.replace(tmp, pointer)
+    def _mark_complete(tmp: Path, path: Path) -> None:
+        """Rank 0: marker, rename, ``latest`` (in this order: a crash in between never moves ``latest``)."""
+        (tmp / COMPLETE_FILE).write_text(f"world_size={_world()}\n")
+        if path.exists():
+            delete_checkpoint(path)  # an older save of the same step (a run redoing steps after a resume)
+        os.replace(tmp, path)
+        write_latest(path)
+
+    def add_commit_hook(self, hook: Callable[[Path], None]) -> None:
+        """Call ``hook(checkpoint_path)`` on rank 0, on the checkpoint worker, after each save is complete and
+        ``latest`` names it (:class:`~kempnerforge.callbacks.CheckpointRetention` prunes there). A hook that
+        raises is logged, never fatal."""
+        if hook not in self._commit_hooks:
+            self._commit_hooks.append(hook)
+
+    def remove_commit_hook(self, hook: Callable[[Path], None]) -> None:
+        """Undo :meth:`add_commit_hook` (no error when ``hook`` is not registered)."""
+        if hook in self._commit_hooks:
+            self._commit_hooks.remove(hook)
+
+    def _run_commit_hooks(self, path: Path) -> None:
+        for hook in list(self._commit_hooks):
+            try:
+                hook(path)
+            except Exception:  # housekeeping after a complete save must not fail the run
+                log.exception("Checkpoint commit hook %r failed after %s", hook, path)
+
+    # -- waiting and shutting down ---------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until this rank's background checkpoint work is done: the save in flight (upload, barrier and,
+        on rank 0, completion), queued deletions and commit hooks. No collective on the calling thread.
+
+        Raises:
+            CheckpointException / RuntimeError: the background save failed (re-raised here, on every rank).
+        """
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.result()
+
+    def teardown(self) -> None:
+        """End of ``fit``: :meth:`wait`, then release the worker, the staging buffers and the gloo group."""
+        try:
+            self.wait()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            self._release()
+
+    def abandon(self) -> None:
+        """After an exception: return at once, without waiting and without any collective on this thread.
+        Work already queued goes on on the worker (joined at interpreter exit): a save being written
+        completes and becomes ``latest`` if every rank's upload finishes, else its barrier fails once the
+        other ranks are gone and it stays a ``.partial``."""
+        self._tasks = []
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)
+        self._release()
+
+    def _release(self) -> None:
+        self._worker = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        self._async_group = None
+
+    # -- loading ---------------------------------------------------------------------------------
 
     def resolve(self, path: _PATH) -> Path:
         """Turn a user's ``--ckpt_path`` into a complete checkpoint directory.
@@ -215,10 +334,21 @@ class DCPCheckpointIO(CheckpointIO):
         """DCP-load into the (sharded) state dicts of ``state`` in place, resharding as needed."""
         dcp.load(state, checkpoint_id=path)
 
+    # -- deleting --------------------------------------------------------------------------------
+
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Delete one checkpoint directory (Lightning calls this on rank 0 for ``save_top_k``)."""
-        path = Path(path)
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+        """Delete one checkpoint (Lightning calls this on rank 0 for ``save_top_k``) on the checkpoint worker:
+        after every save already started has completed, and never the one ``latest`` names then nor one in
+        ``<dirpath>/protected`` (those are kept, with an info line)."""
+        self._submit(self._remove, Path(path))
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        reason = kept_reason(path)
+        if reason is not None:
+            log.info("Checkpoint %s kept although asked to remove it: %s.", path, reason)
+            return
+        try:
+            delete_checkpoint(path)
+        except OSError:
+            log.exception("Could not delete checkpoint %s", path)

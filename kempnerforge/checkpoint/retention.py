@@ -3,34 +3,22 @@
 A protected checkpoint is listed (one name a line) in ``<dirpath>/protected``; the NaN guard adds
 the last healthy checkpoint before a non-finite step there, so a rollback target is never rotated out.
 Partial saves (``*.partial``) are left alone: they may be a save in progress.
+
+:func:`prune_checkpoints` lists the folder once; :class:`~kempnerforge.callbacks.CheckpointRetention`
+calls it on rank 0 after each completed save, on the checkpoint worker thread, never every step.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
+from kempnerforge.checkpoint.layout import PROTECTED_FILE, delete_checkpoint, protect, protected_names
 from kempnerforge.resilience.auto_resume import complete_checkpoints, latest_target
 
+__all__ = ["PROTECTED_FILE", "protect", "protected_names", "prune_checkpoints"]
+
 log = logging.getLogger(__name__)
-
-PROTECTED_FILE = "protected"
-
-
-def protected_names(dirpath: Path) -> set[str]:
-    """Names listed in ``<dirpath>/protected`` (empty when there is no such file)."""
-    path = dirpath / PROTECTED_FILE
-    return {line.strip() for line in path.read_text().splitlines() if line.strip()} if path.is_file() else set()
-
-
-def protect(dirpath: str | Path, name: str) -> None:
-    """Add checkpoint ``name`` to ``<dirpath>/protected`` (idempotent; call from one rank)."""
-    dirpath = Path(dirpath)
-    names = protected_names(dirpath)
-    if name not in names:
-        dirpath.mkdir(parents=True, exist_ok=True)
-        (dirpath / PROTECTED_FILE).write_text("".join(f"{n}\n" for n in sorted(names | {name})))
 
 
 def prune_checkpoints(dirpath: str | Path, keep_last: int) -> list[Path]:
@@ -57,7 +45,7 @@ def prune_checkpoints(dirpath: str | Path, keep_last: int) -> list[Path]:
     deleted = []
     for path in found:
         if path.name not in keep:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            delete_checkpoint(path)
             deleted.append(path)
     if deleted:
         log.info("Checkpoint retention: deleted %s", ", ".join(p.name for p in deleted))

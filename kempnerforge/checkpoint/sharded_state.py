@@ -25,7 +25,14 @@ from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
 #: Optimizer state is saved flattened (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), as in
 #: torchtitan: every key names one parameter, so ranks holding different parameters (pipeline stages)
 #: never write conflicting ``param_groups`` lists, and a checkpoint loads under another pp degree.
-OPTIMIZER_SAVE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+#: No ``cpu_offload``: the state stays where it lives (views of the shards, no copy) and the checkpoint
+#: IO copies it once to host memory (DCP's stager for async saves, DCP's writer for synchronous ones).
+OPTIMIZER_SAVE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def model_state(model: nn.Module) -> dict:
+    """The model's sharded state dict (DTensor shards on their device, sharing the parameters' storage)."""
+    return get_model_state_dict(model)
 
 
 def unwrap_optimizer(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
@@ -37,6 +44,14 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict:
     """The flattened, sharded optimizer state dict written to DCP (see :data:`OPTIMIZER_SAVE_OPTIONS`)."""
     optimizer = unwrap_optimizer(optimizer)
     return get_optimizer_state_dict(model, optimizer, options=OPTIMIZER_SAVE_OPTIONS)
+
+
+def fresh_start_meta() -> dict:
+    """What ``strategy.load_checkpoint`` returns when there is nothing to resume: Lightning's restore then
+    finds no loops, callbacks, optimizer or scheduler state, and the run starts at step 0."""
+    import lightning
+
+    return {"pytorch-lightning_version": lightning.__version__, "lr_schedulers": []}
 
 
 def load_model_and_optimizers(

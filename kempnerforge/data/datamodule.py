@@ -174,7 +174,11 @@ class TokenDataModule(L.LightningDataModule):
         if self.train_dataset is not None:
             return
         data = MemmapTokenDataset(
-            self.data_dir, self.seq_len, vocab_size=self.vocab_size, document_masking=self.document_masking
+            self.data_dir,
+            self.seq_len,
+            vocab_size=self.vocab_size,
+            check_token_ids=scans_token_ids(getattr(self, "trainer", None)),
+            document_masking=self.document_masking,
         )
         n = len(data)
         n_val = math.ceil(n * self.val_fraction)
@@ -238,6 +242,12 @@ def resumable_loader(
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
     )
+
+
+def scans_token_ids(trainer: Any) -> bool:
+    """Whether this process scans shards without a recorded ``max_token_id`` (global rank 0 only: the ranks
+    read the same files, and one failing rank ends the job)."""
+    return bool(getattr(trainer, "is_global_zero", True))
 
 
 def dp_rank_and_size(trainer: Any) -> tuple[int, int]:

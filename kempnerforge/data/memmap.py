@@ -96,8 +96,10 @@ class MemmapTokenDataset(Dataset):
         seq_len: tokens per sample (model context length), > 0.
         vocab_size: the model's vocabulary size (may be padded above the tokenizer's); None
             checks ids against the tokenizer's ``vocab_size`` from ``metadata.json``.
-        check_token_ids: scan each shard's maximum id once at construction (one pass over the
-            data; disable for very large corpora that were already checked).
+        check_token_ids: for shards whose ``metadata.json`` entry has no ``max_token_id`` (prepared by a
+            ``kforge prepare-data`` older than that record), scan the shard's maximum id at construction
+            (one pass over its data, with a warning saying so). Recorded maxima are always checked: free.
+            The data modules pass True on global rank 0 only, so a cluster reads each old shard once.
         document_masking: items also carry ``doc_ids`` (batch-able (seq_len,) int64) and ignore the
             label at every EOS (:func:`kempnerforge.data.packing.pack_sample`), so the model masks
             attention per document. Needs ``eos_id`` in ``metadata.json``.
@@ -132,6 +134,14 @@ class MemmapTokenDataset(Dataset):
                 )
             self.eos_id = self.metadata["eos_id"]
         self.vocab_size = self._check_vocab(vocab_size)
+        unrecorded = [e["file"] for e in self.metadata["shards"] if not isinstance(e.get("max_token_id"), int)]
+        if unrecorded and check_token_ids:
+            warnings.warn(
+                f"{self.data_dir / METADATA_FILE} records no max_token_id for {len(unrecorded)} shard(s) (prepared "
+                "by an older `kforge prepare-data`): scanning them for token ids >= vocab_size now; prepare the "
+                "data again to record it and skip this scan",
+                stacklevel=2,
+            )
         arrays = [self._open(entry, check_token_ids) for entry in self.metadata["shards"]]
         counts = self._window_counts(arrays)
         keep = [i for i, c in enumerate(counts) if c > 0]
@@ -159,9 +169,12 @@ class MemmapTokenDataset(Dataset):
             raise TokenDataError(
                 f"shard {str(path)!r} holds {len(arr)} tokens but {METADATA_FILE} says {entry['num_tokens']}"
             )
-        if check_token_ids and len(arr) and int(arr.max()) >= self.vocab_size:
+        top = entry.get("max_token_id")
+        if not isinstance(top, int):
+            top = int(arr.max()) if check_token_ids and len(arr) else -1
+        if top >= self.vocab_size:
             raise TokenDataError(
-                f"shard {str(path)!r} holds token id {int(arr.max())} >= vocab_size={self.vocab_size}; "
+                f"shard {str(path)!r} holds token id {top} >= vocab_size={self.vocab_size}; "
                 "the data was tokenized with a larger vocabulary than the model's"
             )
         return arr

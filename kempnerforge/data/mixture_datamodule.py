@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.data.datamodule import TokenDataModule, scans_token_ids
 from kempnerforge.data.memmap import MemmapTokenDataset
 from kempnerforge.data.mixture import AnnealingPhase, MixtureSampler, MixtureSchedule, MixtureSource
 
@@ -114,7 +114,11 @@ class MixtureDataModule(TokenDataModule):
         trains, vals = [], []
         for src in self.sources:
             data = MemmapTokenDataset(
-                src.data_dir, self.seq_len, vocab_size=self.vocab_size, document_masking=self.document_masking
+                src.data_dir,
+                self.seq_len,
+                vocab_size=self.vocab_size,
+                check_token_ids=scans_token_ids(getattr(self, "trainer", None)),
+                document_masking=self.document_masking,
             )
             n = len(data)
             n_val = math.ceil(n * self.val_fraction)

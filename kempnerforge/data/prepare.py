@@ -326,7 +326,7 @@ class ShardWriter:
         return self.num_tokens + self._fill
 
     def close(self) -> list[dict[str, Any]]:
-        """Writes the last partial shard; returns ``[{"file", "num_tokens"}, ...]``."""
+        """Writes the last partial shard; returns ``[{"file", "num_tokens", "max_token_id"}, ...]``."""
         if self._fill:
             self._flush()
         return self.shards
@@ -335,7 +335,10 @@ class ShardWriter:
         name = SHARD_PATTERN.format(len(self.shards))
         data = self._buf[: self._fill]
         _atomic_write(self.output_dir / name, lambda f: np.save(f, data))
-        self.shards.append({"file": name, "num_tokens": int(self._fill)})
+        # The shard's largest id, recorded once here, so a training start checks the vocabulary without
+        # reading any shard (MemmapTokenDataset).
+        top = int(data.max()) if self._fill else -1
+        self.shards.append({"file": name, "num_tokens": int(self._fill), "max_token_id": top})
         self.num_tokens += self._fill
         self._fill = 0
 
@@ -450,7 +453,7 @@ def prepare_data(
 
     Returns:
         The metadata written to ``metadata.json``: ``tokenizer``, ``vocab_size``, ``dtype``,
-        ``num_tokens``, ``eos_id``, ``shards`` (``[{"file", "num_tokens"}]``), ``source``,
+        ``num_tokens``, ``eos_id``, ``shards`` (``[{"file", "num_tokens", "max_token_id"}]``), ``source``,
         ``text_field``, ``num_documents``, ``num_empty_documents`` (skipped), ``max_token_id``,
         ``fingerprint`` (:func:`~kempnerforge.data.sources.source_fingerprint` of source, tokenizer and
         ``text_field``, taken before reading; ``TokenDataModule`` reuses the shards while it matches).

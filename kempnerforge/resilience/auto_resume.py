@@ -3,6 +3,11 @@
 A candidate is complete when it is a DCP checkpoint directory holding the ``COMPLETE`` marker
 (:mod:`kempnerforge.checkpoint.dcp_io`) or, for plain Lightning checkpoints, a ``*.ckpt`` file.
 ``<name>.partial`` directories (a save that did not finish) are never chosen.
+
+``kforge fit --ckpt_path auto`` hands Lightning an :class:`AutoResume`: global rank 0 alone looks at
+the folder, once the process group exists, and every rank loads what it chose (ranks on a shared
+filesystem can see different directory listings for a while; each rank choosing for itself could
+resume some ranks and start others fresh).
 """
 
 from __future__ import annotations
@@ -10,18 +15,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kempnerforge.checkpoint.dcp_io import COMPLETE_FILE, LATEST_FILE, PARTIAL_SUFFIX
+from kempnerforge.checkpoint.layout import is_complete, latest_name
+
+__all__ = ["AutoResume", "checkpoint_dir", "complete_checkpoints", "find_resume_checkpoint", "is_complete"]
 
 log = logging.getLogger(__name__)
 
-
-def is_complete(path: Path) -> bool:
-    """True for a DCP directory with its completion marker, or a plain ``*.ckpt`` file."""
-    if path.name.endswith(PARTIAL_SUFFIX):
-        return False
-    if path.is_dir():
-        return (path / COMPLETE_FILE).is_file()
-    return path.is_file() and path.suffix == ".ckpt"
+#: ``--ckpt_path`` value that resumes from the newest complete checkpoint, if any.
+AUTO = "auto"
 
 
 def complete_checkpoints(dirpath: Path) -> list[Path]:
@@ -34,10 +35,8 @@ def complete_checkpoints(dirpath: Path) -> list[Path]:
 
 def latest_target(dirpath: Path) -> Path | None:
     """The checkpoint the ``latest`` pointer names (None when there is no pointer)."""
-    pointer = dirpath / LATEST_FILE
-    if not pointer.is_file():
-        return None
-    return dirpath / pointer.read_text().strip()
+    name = latest_name(dirpath)
+    return dirpath / name if name is not None else None
 
 
 def find_resume_checkpoint(dirpath: str | Path | None) -> Path | None:
@@ -54,8 +53,34 @@ def find_resume_checkpoint(dirpath: str | Path | None) -> Path | None:
         return target
     found = complete_checkpoints(dirpath)
     if target is not None:
-        log.warning("Auto-resume: %s names %s, which is not complete; ignoring it.", dirpath / LATEST_FILE, target)
+        log.warning("Auto-resume: %s names %s, which is not complete; ignoring it.", dirpath / "latest", target)
     return found[-1] if found else None
+
+
+class AutoResume(str):
+    """The ``ckpt_path`` of ``--ckpt_path auto``: resume from the newest complete checkpoint in ``folder``.
+
+    A ``str`` whose value is ``"auto"``, so ``Trainer.fit`` passes it unchanged to the strategy's
+    ``load_checkpoint``; ``KempnerStrategy`` asks :meth:`choose` on global rank 0 only and broadcasts
+    the answer (None: every rank starts fresh).
+
+    Args:
+        folder: the checkpoint folder (None: nothing to resume).
+    """
+
+    folder: Path | None
+
+    def __new__(cls, folder: str | Path | None) -> AutoResume:
+        self = super().__new__(cls, AUTO)
+        self.folder = Path(folder) if folder is not None else None
+        self._choice: tuple[Path | None] | None = None
+        return self
+
+    def choose(self) -> Path | None:
+        """:func:`find_resume_checkpoint` of ``folder``, looked up once (the same answer on every later call)."""
+        if self._choice is None:
+            self._choice = (find_resume_checkpoint(self.folder),)
+        return self._choice[0]
 
 
 def checkpoint_dir(trainer: object, dirpath: str | Path | None = None) -> Path | None:

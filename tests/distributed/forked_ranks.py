@@ -47,6 +47,7 @@ PRELOAD = [
     "torch.distributed.tensor",
     "lightning.pytorch",
     "kempnerforge.callbacks",
+    "kempnerforge.cli",
     "kempnerforge.data.datamodule",
     "kempnerforge.data.streaming",
     "kempnerforge.data.vlm_datamodule",
@@ -142,6 +143,20 @@ def _rank_main(script: str, args: list[str], env: dict[str, str], out: str, err:
         sys.stderr.flush()
 
 
+def start_one(script: Path, args: list[str], env: dict[str, str], out: Path, err: Path):
+    """Start ``script`` as a world of one forked rank and return its ``multiprocessing.Process`` at once.
+
+    For tests that kill a run at a time of their choosing: the rank leads its own process group
+    (``os.killpg(proc.pid, signal.SIGKILL)`` ends it with its workers, like ``kill -9`` of a job) and writes
+    its output to ``out`` / ``err``.
+    """
+    ctx = _forkserver()
+    rank = rank_env(0, 1, _free_port(), uuid.uuid4().hex)
+    proc = ctx.Process(target=_rank_main, args=(str(script), list(args), {**env, **rank}, str(out), str(err)))
+    proc.start()
+    return proc
+
+
 def _kill(procs) -> None:
     """SIGKILL every still-running rank and its process group (torchrun also kills survivors of a failure)."""
     procs = [p for p in procs if p.pid is not None]  # started
@@ -156,7 +171,12 @@ def _kill(procs) -> None:
 
 
 def run_ranks(
-    nproc: int, script: Path, args: list[str], env: dict[str, str], timeout: float
+    nproc: int,
+    script: Path,
+    args: list[str],
+    env: dict[str, str],
+    timeout: float,
+    kill_on_failure: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run ``script`` with ``args`` on ``nproc`` forked ranks; wait until all exit, one fails, or ``timeout``.
 
@@ -166,6 +186,8 @@ def run_ranks(
         args: its command-line arguments.
         env: the ranks' environment (torchrun's per-rank variables are added on top).
         timeout: seconds for the whole launch.
+        kill_on_failure: kill the other ranks when one fails, as torchrun does; False waits for every rank to
+            exit by itself (a test that the survivors of a failure do not hang).
 
     Returns:
         ``CompletedProcess`` with ``returncode`` (0, or the first failing rank's exit code: negative for a
@@ -193,7 +215,7 @@ def run_ranks(
         try:
             for p in procs:
                 p.start()
-            returncode, timed_out = _wait(procs, time.monotonic() + timeout)
+            returncode, timed_out = _wait(procs, time.monotonic() + timeout, kill_on_failure)
         finally:  # also on KeyboardInterrupt or a pytest-timeout: no rank outlives its launch
             _kill(procs)
         stdout = "".join(Path(o).read_text(errors="replace") for o, _ in files)
@@ -203,9 +225,11 @@ def run_ranks(
     return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
 
 
-def _wait(procs, deadline: float) -> tuple[int, bool]:
-    """Wait for all ranks to exit 0, or the first nonzero exit, or ``deadline``: (returncode, timed_out)."""
+def _wait(procs, deadline: float, kill_on_failure: bool = True) -> tuple[int, bool]:
+    """Wait for all ranks to exit 0, or the first nonzero exit (all ranks' exits unless ``kill_on_failure``),
+    or ``deadline``: (returncode, timed_out)."""
     pending = list(procs)
+    first_failure = 0
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -214,6 +238,7 @@ def _wait(procs, deadline: float) -> tuple[int, bool]:
         for p in [p for p in pending if not p.is_alive()]:
             p.join()
             pending.remove(p)
-            if p.exitcode != 0:
+            if p.exitcode != 0 and kill_on_failure:
                 return p.exitcode, False
-    return 0, False
+            first_failure = first_failure or p.exitcode
+    return first_failure, False

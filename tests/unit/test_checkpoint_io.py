@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint.staging import StagingOptions
 
-from kempnerforge.checkpoint.dcp_io import LATEST_FILE, CheckpointError, DCPCheckpointIO
+from kempnerforge.checkpoint.dcp_io import LATEST_FILE, CheckpointError, DCPCheckpointIO, staging_options
 from kempnerforge.checkpoint.train_state import (
     DataParallelMismatchError,
     collect_rng_state,
@@ -156,18 +159,52 @@ def test_remap_refuses_indivisible_positions_and_a_changed_global_batch():
         merge_rank_state(ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=1, micro_batch_size=4)
 
 
-def test_async_save_stages_before_returning_and_completes_only_at_finalize(tmp_path):
-    """Parameters changed right after ``save_checkpoint`` returns do not leak into the checkpoint, and
-    the marker, rename and ``latest`` wait for the upload (at the next save or at teardown)."""
+@pytest.fixture
+def upload_gate(monkeypatch):
+    """Holds DCP's writes (on its upload thread) until the test sets the event: a save still being written."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    gate = threading.Event()
+    write = FileSystemWriter.write_data
+
+    def gated(self, *args, **kwargs):
+        assert gate.wait(30), "the test never opened the upload gate"
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", gated)
+    gate.set()
+    return gate
+
+
+def _state(w: torch.Tensor) -> dict:
+    return {"state_dict": {"w": w}, "optimizer_states": [], "rank_state": {}}
+
+
+def _until(predicate, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_async_save_returns_after_staging_and_completes_in_the_background(tmp_path, upload_gate):
+    """save_checkpoint returns while the upload is still blocked (the training thread only staged a copy);
+    once the upload finishes, the marker, the rename and `latest` follow with no further call on this thread."""
     from kempnerforge.resilience.auto_resume import find_resume_checkpoint
 
     io = DCPCheckpointIO(async_save=True)
     w = torch.arange(6.0)
-    io.save_checkpoint({"state_dict": {"w": w}, "optimizer_states": [], "rank_state": {}}, tmp_path / "step=1.ckpt")
+    upload_gate.clear()
+    io.save_checkpoint(_state(w), tmp_path / "step=1.ckpt")  # returns although nothing is written yet
+    assert io._stager is not None and io._stager._config == StagingOptions(False, False, False, False)  # CPU
     w.add_(100.0)  # the optimizer updates in place while the upload runs
-    assert find_resume_checkpoint(tmp_path) is None  # not complete yet: never chosen
-    io.save_checkpoint({"state_dict": {"w": w}, "optimizer_states": [], "rank_state": {}}, tmp_path / "step=2.ckpt")
-    assert (tmp_path / LATEST_FILE).read_text().strip() == "step=1.ckpt"  # the first save completed first
+    assert find_resume_checkpoint(tmp_path) is None and (tmp_path / "step=1.ckpt.partial").is_dir()
+    upload_gate.set()
+    assert _until(lambda: (tmp_path / LATEST_FILE).is_file()), "the save never completed in the background"
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "step=1.ckpt"
+    io.save_checkpoint(_state(w), tmp_path / "step=2.ckpt")
     io.teardown()
     assert (tmp_path / LATEST_FILE).read_text().strip() == "step=2.ckpt"
     for name, expected in (("step=1.ckpt", torch.arange(6.0)), ("step=2.ckpt", torch.arange(6.0) + 100)):
@@ -176,3 +213,54 @@ def test_async_save_stages_before_returning_and_completes_only_at_finalize(tmp_p
         assert torch.equal(state["state_dict"]["w"], expected), name
     with pytest.raises(ValueError, match="async_save='yes' is not allowed"):
         DCPCheckpointIO(async_save="yes")
+
+
+def test_remove_checkpoint_waits_for_the_pending_save_and_keeps_latest_and_protected(tmp_path, upload_gate):
+    """Lightning's save_top_k=1 removes the previous checkpoint right after starting the next save: the
+    removal waits until that save is complete and `latest` names it, so a complete checkpoint always exists."""
+    from kempnerforge.checkpoint.retention import protect
+    from kempnerforge.resilience.auto_resume import find_resume_checkpoint
+
+    io = DCPCheckpointIO(async_save=True)
+    w = torch.arange(6.0)
+    io.save_checkpoint(_state(w), tmp_path / "step=1.ckpt")
+    io.wait()
+    upload_gate.clear()
+    io.save_checkpoint(_state(w), tmp_path / "step=2.ckpt")
+    io.remove_checkpoint(tmp_path / "step=1.ckpt")  # what ModelCheckpoint(save_top_k=1) does now
+    time.sleep(0.2)
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step=1.ckpt"  # still there: the only complete one
+    upload_gate.set()
+    io.wait()
+    assert not (tmp_path / "step=1.ckpt").exists()
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step=2.ckpt"
+    io.remove_checkpoint(tmp_path / "step=2.ckpt")  # the one `latest` names: kept
+    io.save_checkpoint(_state(w), tmp_path / "step=3.ckpt")
+    protect(tmp_path, "step=2.ckpt")  # e.g. the NaN guard's rollback target
+    io.remove_checkpoint(tmp_path / "step=2.ckpt")
+    io.teardown()
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["step=2.ckpt", "step=3.ckpt"]
+
+
+def test_commit_hooks_run_after_each_complete_save_and_abandon_never_waits(tmp_path, upload_gate):
+    """Hooks (retention) see the checkpoint complete and named by `latest`; after an exception, abandon()
+    returns at once although a save is still being written (no wait, no collective on this thread)."""
+    io = DCPCheckpointIO(async_save=True)
+    seen: list[tuple[str, str]] = []
+    io.add_commit_hook(lambda p: seen.append((p.name, (p.parent / LATEST_FILE).read_text().strip())))
+    io.add_commit_hook(lambda p: 1 / 0)  # a failing hook is logged, never fatal
+    io.save_checkpoint(_state(torch.ones(2)), tmp_path / "step=1.ckpt")
+    io.wait()
+    assert seen == [("step=1.ckpt", "step=1.ckpt")]
+    upload_gate.clear()
+    io.save_checkpoint(_state(torch.ones(2)), tmp_path / "step=2.ckpt")
+    start = time.monotonic()
+    io.abandon()
+    assert time.monotonic() - start < 1.0
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "step=1.ckpt"
+    upload_gate.set()  # the save in flight still finishes on its own threads (every rank of this world is alive)
+    assert _until(lambda: (tmp_path / LATEST_FILE).read_text().strip() == "step=2.ckpt")
+
+
+def test_staging_options_pin_host_memory_only_for_cuda_state():
+    assert staging_options({"a": {"b": [torch.zeros(1)]}}) == StagingOptions(False, False, False, False)

@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,14 +26,19 @@ def prepared(tmp_path_factory) -> Path:
     return root / "out"
 
 
-def write_folder(root: Path, shards: list[np.ndarray], dtype: str = "uint16", vocab_size: int = 100) -> Path:
-    """A hand-made prepared folder (metadata written as prepare_data does)."""
+def write_folder(
+    root: Path, shards: list[np.ndarray], dtype: str = "uint16", vocab_size: int = 100, record: bool = True
+) -> Path:
+    """A hand-made prepared folder (metadata written as prepare_data does; ``record=False``: as older
+    versions did, without each shard's ``max_token_id``)."""
     root.mkdir(parents=True, exist_ok=True)
     entries = []
     for i, tokens in enumerate(shards):
         name = f"shard_{i:05d}.npy"
         np.save(root / name, np.asarray(tokens, dtype=dtype))
         entries.append({"file": name, "num_tokens": len(tokens)})
+        if record:
+            entries[-1]["max_token_id"] = int(np.max(tokens)) if len(tokens) else -1
     meta = {"vocab_size": vocab_size, "dtype": dtype, "shards": entries, "num_tokens": sum(map(len, shards))}
     (root / "metadata.json").write_text(json.dumps(meta))
     return root
@@ -135,11 +141,34 @@ def test_tokenizer_vocab_larger_than_model(prepared):
         MemmapTokenDataset(prepared, 64, vocab_size=50000)
 
 
-def test_token_id_out_of_vocab(tmp_path):
+def test_token_id_out_of_vocab_from_the_recorded_range(tmp_path):
     write_folder(tmp_path, [np.arange(50), np.array([1, 2, 150] * 20)], vocab_size=100)
-    with pytest.raises(TokenDataError, match=r"shard_00001.npy' holds token id 150 >= vocab_size=100"):
+    for check in (True, False):  # the recorded maximum is checked either way: it costs no read
+        with pytest.raises(TokenDataError, match=r"shard_00001.npy' holds token id 150 >= vocab_size=100"):
+            MemmapTokenDataset(tmp_path, 8, check_token_ids=check)
+
+
+def test_recorded_range_is_trusted_without_reading_the_shard(tmp_path):
+    """A record that says the ids fit is believed: the shard's data is not scanned (no full read at start-up)."""
+    write_folder(tmp_path, [np.array([1, 2, 150] * 20)], vocab_size=200)
+    meta = json.loads((tmp_path / "metadata.json").read_text())
+    meta["vocab_size"] = 100
+    meta["shards"][0]["max_token_id"] = 99  # wrong on purpose: a scan would find 150
+    (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    assert len(MemmapTokenDataset(tmp_path, 8)) == 7
+
+
+def test_old_metadata_without_a_record_is_scanned_once_and_says_so(tmp_path):
+    write_folder(tmp_path, [np.arange(50), np.array([1, 2, 150] * 20)], vocab_size=100, record=False)
+    with (
+        pytest.warns(UserWarning, match=r"records no max_token_id for 2 shard\(s\) .* scanning them"),
+        pytest.raises(TokenDataError, match=r"shard_00001.npy' holds token id 150 >= vocab_size=100"),
+    ):
         MemmapTokenDataset(tmp_path, 8)
-    assert len(MemmapTokenDataset(tmp_path, 8, check_token_ids=False)) == 6 + 7
+    # Ranks other than global rank 0 pass check_token_ids=False (TokenDataModule): no scan, no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(MemmapTokenDataset(tmp_path, 8, check_token_ids=False)) == 6 + 7
 
 
 def test_short_shard_names_shard_and_count(tmp_path):

@@ -55,7 +55,8 @@ def test_txt_file_is_one_document_with_metadata(tmp_path, tok, text):
     assert meta["vocab_size"] == 50257 and meta["eos_id"] == EOS and meta["dtype"] == "uint16"
     assert meta["num_tokens"] == len(tokens) and meta["num_documents"] == 1
     assert meta["tokenizer"] == str(TOKENIZER) and meta["source"] == str(src) and meta["text_field"] == "text"
-    assert meta["shards"] == [{"file": "shard_00000.npy", "num_tokens": len(tokens)}]
+    # The token-id range is recorded per shard, so training start-up never scans the shards for it.
+    assert meta["shards"] == [{"file": "shard_00000.npy", "num_tokens": len(tokens), "max_token_id": int(tokens.max())}]
     assert not list((tmp_path / "out").glob("*.tmp"))
 
 

@@ -1,0 +1,95 @@
+"""The checkpoint folder's names and the file operations every writer and reader of it shares.
+
+::
+
+    <dirpath>/
+      step=00000100.ckpt/          a complete checkpoint (holds COMPLETE)
+      step=00000200.ckpt.partial/  a save in progress (renamed when every rank has finished)
+      latest                       text: the name of the newest complete checkpoint
+      protected                    names that nothing deletes, one a line (the NaN guard's rollback target)
+
+Plain functions with no process-group calls: they run on rank 0, on the training thread or on the
+checkpoint worker thread (:mod:`kempnerforge.checkpoint.dcp_io`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+META_FILE = "meta.pt"
+LATEST_FILE = "latest"
+PARTIAL_SUFFIX = ".partial"
+COMPLETE_FILE = "COMPLETE"
+PROTECTED_FILE = "protected"
+
+
+def rank_file(path: Path, rank: int) -> Path:
+    """Path of rank ``rank``'s per-rank state file inside checkpoint ``path``."""
+    return path / f"rank_{rank:05d}.pt"
+
+
+def partial_path(path: Path) -> Path:
+    """Where the save of checkpoint ``path`` is written until it is complete."""
+    return path.with_name(path.name + PARTIAL_SUFFIX)
+
+
+def is_complete(path: Path) -> bool:
+    """True for a DCP directory with its completion marker, or a plain Lightning ``*.ckpt`` file."""
+    if path.name.endswith(PARTIAL_SUFFIX):
+        return False
+    if path.is_dir():
+        return (path / COMPLETE_FILE).is_file()
+    return path.is_file() and path.suffix == ".ckpt"
+
+
+def latest_name(dirpath: Path) -> str | None:
+    """The checkpoint name ``<dirpath>/latest`` holds (None when there is no pointer)."""
+    pointer = dirpath / LATEST_FILE
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def write_latest(path: Path) -> None:
+    """Point ``<path.parent>/latest`` at checkpoint ``path`` atomically (write a temporary file, rename it)."""
+    pointer = path.parent / LATEST_FILE
+    tmp = pointer.with_name(LATEST_FILE + ".tmp")
+    tmp.write_text(path.name + "\n")
+    os.replace(tmp, pointer)
+
+
+def protected_names(dirpath: Path) -> set[str]:
+    """Names listed in ``<dirpath>/protected`` (empty when there is no such file)."""
+    path = dirpath / PROTECTED_FILE
+    return {line.strip() for line in path.read_text().splitlines() if line.strip()} if path.is_file() else set()
+
+
+def protect(dirpath: str | Path, name: str) -> None:
+    """Add checkpoint ``name`` to ``<dirpath>/protected`` (idempotent; call from one rank)."""
+    dirpath = Path(dirpath)
+    names = protected_names(dirpath)
+    if name not in names:
+        dirpath.mkdir(parents=True, exist_ok=True)
+        (dirpath / PROTECTED_FILE).write_text("".join(f"{n}\n" for n in sorted(names | {name})))
+
+
+def kept_reason(path: Path) -> str | None:
+    """Why checkpoint ``path`` must not be deleted: ``latest`` names it or it is protected (None: it may go)."""
+    if latest_name(path.parent) == path.name:
+        return f"{path.parent / LATEST_FILE} names it"
+    if path.name in protected_names(path.parent):
+        return f"it is listed in {path.parent / PROTECTED_FILE}"
+    return None
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Delete one checkpoint; its ``COMPLETE`` marker goes first, so a crash halfway through never leaves a
+    directory that looks complete (auto-resume and retention then skip what is left)."""
+    if path.is_dir():
+        (path / COMPLETE_FILE).unlink(missing_ok=True)
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
