@@ -204,18 +204,10 @@ class PipelineRunner:
 
 
 def update_validation_metrics(module: object, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:
-    """Feed a pipelined validation batch into ``CausalLM``'s ``val_loss`` / ``val_ppl`` and log them.
+    """Feed a pipelined validation batch into ``CausalLM``'s ``val/loss`` and ``val/ppl``.
 
-    ``val_ppl`` (torchmetrics ``Perplexity``) accumulates the summed negative log-likelihood and the
-    token count, which is exactly the pipeline's ``loss_sum`` and ``n_targets``; the result equals an
-    unsplit model's ``validation_step`` (which needs the logits, here only on the last stage).
+    The pipeline's ``loss_sum`` (summed token loss of the batch, on every pp rank) and ``n_targets`` are
+    what :meth:`CausalLM.record_validation` takes, so the result equals an unsplit model's
+    ``validation_step`` (which needs the logits, here only on the last stage).
     """
-    n = n_targets.to(loss_sum.dtype)
-    module.val_loss.update(loss_sum / n.clamp(min=1), weight=n)
-    module.val_ppl.total_log_probs += loss_sum.to(module.val_ppl.total_log_probs.dtype)
-    module.val_ppl.count += n_targets.to(module.val_ppl.count.dtype)
-    # What Metric.update's wrapper records, so compute() and the cross-rank sync see an updated metric.
-    module.val_ppl._update_count += 1
-    module.val_ppl._computed = None
-    module.log("val/loss", module.val_loss, prog_bar=True)
-    module.log("val/ppl", module.val_ppl)
+    module.record_validation(loss_sum, n_targets)
