@@ -62,7 +62,8 @@ class CausalLM(LightningModule):
         config: model architecture (``--model.config.*``).
         optimizer: AdamW settings (``--model.optimizer.*``).
         scheduler: warmup + decay LR schedule (``--model.scheduler.*``).
-        grad_clip: max global L2 norm of the gradients (0 disables clipping; the norm is still logged).
+        grad_clip: max global L2 norm of the gradients (0 disables clipping; the norm is still logged). The
+            only clipping: Lightning's ``trainer.gradient_clip_val`` is refused (:meth:`configure_gradient_clipping`).
         init_seed: seed of the weight init; the same seed gives the same weights on every mesh.
         loss_chunk_size: 0 computes the full ``(batch, seq, vocab)`` logits and then the loss; N > 0
             fuses the output head and cross-entropy over chunks of N tokens so the full fp32 logits

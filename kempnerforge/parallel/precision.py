@@ -114,7 +114,13 @@ def plugin_precision_to_param(plugin: Precision, mixed_precision_param: str) -> 
         return mixed_precision_param
     if type(plugin) is MixedPrecision and plugin.precision == "bf16-mixed":
         return trainer_precision_to_param("bf16-mixed", mixed_precision_param)
-    return trainer_precision_to_param(getattr(plugin, "precision", type(plugin).__name__), mixed_precision_param)
+    name = getattr(plugin, "precision", None)
+    if type(plugin).__module__.startswith("lightning.") and name not in (None, "32-true"):
+        return trainer_precision_to_param(name, mixed_precision_param)  # raises, naming the precision
+    raise ValueError(
+        f"trainer.plugins: the precision plugin {type(plugin).__name__} is not supported by KempnerStrategy (it "
+        f"would cast or wrap the sharded parameters); remove it and set {_FIELD} (auto, bfloat16, float32)."
+    )
 
 
 def describe_precision(param_dtype: torch.dtype, reduce_dtype: torch.dtype, matmul: str, device_type: str) -> str:

@@ -97,6 +97,16 @@ def test_bf16_mixed_maps_onto_the_fsdp2_policy(precision):
     assert strategy.mixed_precision_param == "bfloat16" and strategy.param_dtype == torch.bfloat16
 
 
+def test_a_custom_precision_plugin_is_refused_not_dropped():
+    class MyPrecision(Precision):
+        pass
+
+    with pytest.raises(
+        ValueError, match=rf"trainer.plugins: the precision plugin MyPrecision is not supported.*{FIELD}"
+    ):
+        _trainer(KempnerStrategy(), plugins=[MyPrecision()])
+
+
 def test_bf16_mixed_contradicting_float32_is_refused():
     with pytest.raises(ValueError, match=rf"trainer.precision='bf16-mixed' contradicts {FIELD}='float32'"):
         _trainer(KempnerStrategy(mixed_precision_param="float32"), precision="bf16-mixed")
