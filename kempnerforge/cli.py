@@ -22,6 +22,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from kempnerforge.callbacks import Preemption
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
+from kempnerforge.parallel.grad_clip import check_lightning_clipping
+from kempnerforge.parallel.precision import trainer_precision_to_param
 from kempnerforge.resilience.auto_resume import AUTO, AutoResume, checkpoint_dir, find_resume_checkpoint
 from kempnerforge.strategies import KempnerStrategy
 
@@ -114,6 +116,20 @@ class KForgeCLI(LightningCLI):
             parser.set_defaults({"ckpt_path": AUTO})
         return parser
 
+    def before_instantiate_classes(self) -> None:
+        """Refuse what the strategy and module would refuse once built, before any class is instantiated and
+        before any process starts (:func:`check_trainer_config`).
+
+        Raises:
+            SystemExit: code 2, with ``kforge: error: <message>`` on stderr.
+        """
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        try:
+            check_trainer_config(config.get("trainer"))
+        except ValueError as err:
+            print(f"kforge: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from err
+
     def instantiate_classes(self) -> None:
         """Lightning's instantiation; a component's own validation error (e.g. ``data.fps=0.0 must be ...``),
         which jsonargparse buries in a union-type report ending in the whole config, is printed alone.
@@ -136,6 +152,38 @@ class KForgeCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         resolve_auto_ckpt_path(config, self.trainer)
         keep_wandb_run_id(self.trainer, config.get("ckpt_path"), self.config[self.subcommand]["trainer"]["logger"])
+
+
+def check_trainer_config(trainer: Any) -> None:
+    """The Trainer settings kempnerforge refuses, checked on the parsed config.
+
+    ``trainer.gradient_clip_val`` (the modules clip themselves: ``model.grad_clip``) for any strategy, and with
+    ``KempnerStrategy`` (or a subclass) a ``trainer.precision`` that does not map onto its
+    ``mixed_precision_param`` (:func:`kempnerforge.parallel.precision.trainer_precision_to_param`).
+
+    Raises:
+        ValueError: one line naming the field and what to set instead.
+    """
+    if trainer is None:
+        return
+    check_lightning_clipping(trainer.get("gradient_clip_val"))
+    strategy = trainer.get("strategy")
+    class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
+    if not isinstance(class_path, str) or not _is_kempner_strategy(class_path):
+        return
+    init_args = strategy.get("init_args") or {}
+    trainer_precision_to_param(trainer.get("precision") or "32-true", init_args.get("mixed_precision_param", "auto"))
+
+
+def _is_kempner_strategy(class_path: str) -> bool:
+    from kempnerforge.strategies import KempnerStrategy
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(__import__(module, fromlist=[name]), name)
+    except (ImportError, AttributeError):
+        return False  # jsonargparse reports a class it cannot import itself
+    return isinstance(cls, type) and issubclass(cls, KempnerStrategy)
 
 
 def component_errors(report: str) -> list[str]:

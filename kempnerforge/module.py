@@ -16,12 +16,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
 
 from kempnerforge.callbacks.freeze import FreezeSchedule
 from kempnerforge.config import ModelConfig
 from kempnerforge.config.vision import ConnectorConfig, VisionEncoderConfig
 from kempnerforge.config.vlm import VLMConfig
-from kempnerforge.metrics.perplexity import TokenPerplexity
+from kempnerforge.metrics.perplexity import ExpMeanMetric
 from kempnerforge.model import Transformer
 from kempnerforge.model.connectors import connector_tokens
 from kempnerforge.model.vision import build_image_processor, hf_vision_config
@@ -29,7 +30,7 @@ from kempnerforge.model.vlm import build_backbone
 from kempnerforge.model.vlm.model import VisionLanguageModel
 from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.expert_parallel import validate_ep
-from kempnerforge.parallel.grad_clip import clip_grad_norm_
+from kempnerforge.parallel.grad_clip import check_lightning_clipping, clip_grad_norm_
 from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
 from kempnerforge.parallel.tensor_parallel import validate_tp
 from kempnerforge.training.freeze import FreezeSpec, apply_freeze, ever_trainable, init_adamw_state
@@ -70,7 +71,8 @@ class CausalLM(LightningModule):
         config: model architecture (``--model.config.*``).
         optimizer: AdamW settings (``--model.optimizer.*``).
         scheduler: warmup + decay LR schedule (``--model.scheduler.*``).
-        grad_clip: max global L2 norm of the gradients (0 disables clipping; the norm is still logged).
+        grad_clip: max global L2 norm of the gradients (0 disables clipping; the norm is still logged). The
+            only clipping: Lightning's ``trainer.gradient_clip_val`` is refused (:meth:`configure_gradient_clipping`).
         init_seed: seed of the weight init; the same seed gives the same weights on every mesh.
         loss_chunk_size: 0 computes the full ``(batch, seq, vocab)`` logits and then the loss; N > 0
             fuses the output head and cross-entropy over chunks of N tokens so the full fp32 logits
@@ -125,7 +127,7 @@ class CausalLM(LightningModule):
         )
         self.model: Transformer | None = None
         self.val_loss = MeanMetric()
-        self.val_ppl = TokenPerplexity()
+        self.val_ppl = ExpMeanMetric()  # exp(val/loss) from the same updates: no second softmax
         self.tokens_seen = 0
         # Normalization by the global target-token count of the whole optimizer step (dp ranks x
         # accumulated micro-batches); see StepTokenNormalizer.
@@ -287,17 +289,44 @@ class CausalLM(LightningModule):
             super().backward(loss, *args, **kwargs)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """Accumulate token-weighted loss and perplexity (synced across ranks by torchmetrics)."""
-        logits = to_full(self._logits(batch)).float()
+        """Token-weighted ``val/loss`` and ``val/ppl = exp(val/loss)`` (synced across ranks by torchmetrics),
+        computed by the training loss path (:meth:`_validation_loss_sum`)."""
+        self.record_validation(*self._validation_loss_sum(batch))
+
+    def _validation_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's summed target-token cross-entropy (fp32 scalar, nats) and target count, as training
+        computes it: the chunked head with ``loss_chunk_size > 0``, vocab-parallel on sharded TP logits, so
+        validation never holds a vocab-sized tensor a training step did not (no z-loss: it is not logged)."""
         labels = batch["labels"]
-        n = (labels != IGNORE_INDEX).sum()
-        loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        self.val_loss.update(loss / n.clamp(min=1), weight=n)
-        self.val_ppl.update(loss, n)
+        if self.loss_chunk_size:
+            loss_sum, _ = self.model(
+                batch["input_ids"], labels=labels, loss_chunk_size=self.loss_chunk_size, doc_ids=batch.get("doc_ids")
+            )
+            return loss_sum, (labels != IGNORE_INDEX).sum()
+        return token_cross_entropy_sum(self._logits(batch), labels)
+
+    def record_validation(self, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:
+        """Add one validation batch, ``loss_sum`` (summed token loss, nats) over ``n_targets`` target tokens,
+        to ``val/loss`` and ``val/ppl`` and log them (the pipeline path calls this with the last stage's loss)."""
+        n = n_targets.to(torch.float32)
+        mean = loss_sum.detach().float() / n.clamp(min=1)
+        self.val_loss.update(mean, weight=n)
+        self.val_ppl.update(mean, weight=n)
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl)
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        """No Lightning clipping: :meth:`on_before_optimizer_step` already clipped to ``grad_clip`` by the true
+        global norm; ``trainer.gradient_clip_val`` is refused (also before rendezvous by KempnerStrategy and
+        the CLI) rather than clipping a second time.
+
+        Raises:
+            ValueError: ``trainer.gradient_clip_val`` set (not None or 0).
+        """
+        check_lightning_clipping(gradient_clip_val)
 
     # -- optimization ---------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -37,10 +38,19 @@ from kempnerforge.parallel.compile import apply_compile
 from kempnerforge.parallel.expert_parallel import apply_ep
 from kempnerforge.parallel.float8 import apply_float8, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
+from kempnerforge.parallel.grad_clip import check_lightning_clipping
 from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degrees
 from kempnerforge.parallel.order import record_step
 from kempnerforge.parallel.pipeline import validate_pipeline_options, validate_pipeline_run
 from kempnerforge.parallel.pipeline_runner import PipelineRunner, update_validation_metrics
+from kempnerforge.parallel.precision import (
+    apply_matmul_precision,
+    check_matmul_precision,
+    check_param_dtype_name,
+    describe_precision,
+    plugin_precision_to_param,
+    resolve_param_dtype,
+)
 from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
 from kempnerforge.resilience.auto_resume import AutoResume
 from kempnerforge.resilience.first_failure import note_first_failure
@@ -80,8 +90,15 @@ class KempnerStrategy(ModelParallelStrategy):
         pp_split_points: first block index of every stage after the first (None: balanced by layer count).
         cp: context-parallel degree (refused: not implemented).
         ep: expert-parallel degree (MoE models; borrows ranks from dp_shard, must divide it and num_experts).
-        mixed_precision_param: FSDP2 compute dtype of unsharded parameters, "float32" or "bfloat16".
+        mixed_precision_param: FSDP2 compute dtype of unsharded parameters (``MixedPrecisionPolicy.param_dtype``;
+            the sharded master weights, gradients and optimizer state stay fp32): ``"auto"`` (bf16 on CUDA, fp32
+            on CPU), ``"bfloat16"`` or ``"float32"``. Lightning's ``trainer.precision`` maps onto it (see
+            :mod:`kempnerforge.parallel.precision`): ``32-true`` (the default) keeps this setting,
+            ``bf16-mixed`` is the same as ``"bfloat16"`` (no autocast), every other value is refused.
         mixed_precision_reduce: FSDP2 gradient reduction dtype, "float32" or "bfloat16".
+        float32_matmul_precision: ``torch.set_float32_matmul_precision`` on CUDA: ``"high"`` (default: TF32
+            tensor cores for the fp32 matmuls left, e.g. under ``mixed_precision_param=float32``),
+            ``"highest"`` (opt out: full fp32) or ``"medium"``. Not applied on CPU.
         reshard_after_forward: FSDP2 frees gathered parameters after forward (saves memory, one more all-gather).
         process_group_backend: "gloo", "nccl" or None (None: nccl on CUDA, gloo on CPU).
         timeout: collective timeout.
@@ -108,7 +125,10 @@ class KempnerStrategy(ModelParallelStrategy):
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
             ``setup_environment`` when degrees do not fit the world size, the model (``n_heads % tp``,
             ``n_kv_heads % tp``) or the data (``seq_len % tp`` with sequence parallel).
-        ValueError: an unknown dtype name, activation-checkpointing mode or ``ac_every_n`` < 1.
+        ValueError: an unknown dtype name, activation-checkpointing mode or ``ac_every_n`` < 1; when the
+            Trainer is built, a ``trainer.precision`` other than ``32-true`` / ``bf16-mixed`` (one line naming
+            ``trainer.strategy.init_args.mixed_precision_param``); in ``setup_environment``, before the process
+            group exists, ``trainer.gradient_clip_val`` (clipping is the module's ``grad_clip``).
         Float8ConfigError: an unknown float8 recipe, torchao missing, ``float8_all_gather`` with a
             non-tensorwise recipe, or FP8 with ``tp > 1``.
     """
@@ -123,8 +143,9 @@ class KempnerStrategy(ModelParallelStrategy):
         ep: int = 1,
         sequence_parallel: bool = False,
         loss_parallel: bool = True,
-        mixed_precision_param: str = "float32",
+        mixed_precision_param: str = "auto",
         mixed_precision_reduce: str = "float32",
+        float32_matmul_precision: str = "high",
         reshard_after_forward: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -163,8 +184,11 @@ class KempnerStrategy(ModelParallelStrategy):
         validate_sequence_parallel(tp, sequence_parallel)
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
-        self.param_dtype = resolve_dtype(mixed_precision_param, "mixed_precision_param")
+        check_param_dtype_name(mixed_precision_param)
+        check_matmul_precision(float32_matmul_precision)
+        self.mixed_precision_param = mixed_precision_param  # trainer.precision=bf16-mixed may set "bfloat16"
         self.reduce_dtype = resolve_dtype(mixed_precision_reduce, "mixed_precision_reduce")
+        self.float32_matmul_precision = float32_matmul_precision
         self.reshard_after_forward = reshard_after_forward
         validate_float8(float8_recipe, float8_all_gather, tp=tp)
         validate_ac(activation_checkpointing, ac_every_n)
@@ -188,12 +212,43 @@ class KempnerStrategy(ModelParallelStrategy):
         }
         self.pipeline: PipelineRunner | None = None
 
+    # -- precision ------------------------------------------------------------------------------
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """Lightning's precision plugin: always the plain one here (the policy is FSDP2's, see ``param_dtype``)."""
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning's accelerator connector sets the plugin it built from trainer.precision while the Trainer is
+        # constructed (no process group yet): bf16-mixed becomes the FSDP2 policy, anything else but 32-true is
+        # refused (kempnerforge.parallel.precision), so autocast never runs on top of sharded fp32 parameters.
+        if plugin is not None:
+            self.mixed_precision_param = plugin_precision_to_param(plugin, self.mixed_precision_param)
+            plugin = Precision()
+        self._precision_plugin = plugin
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """FSDP2 compute dtype (``mixed_precision_param`` resolved on this strategy's device: ``auto`` is bf16 on CUDA)."""
+        return resolve_param_dtype(self.mixed_precision_param, self.root_device.type)
+
+    def describe_precision(self) -> str:
+        """The precision line logged with the mesh (compute, master weights, reduction, fp32 matmuls)."""
+        device = self.root_device.type
+        return describe_precision(self.param_dtype, self.reduce_dtype, self.float32_matmul_precision, device)
+
     # -- environment and mesh -------------------------------------------------------------------
 
     def setup_environment(self) -> None:
-        """Initialize the process group, validate the degrees, build the world mesh and log it."""
+        """Refuse Lightning's own clipping, initialize the process group, validate the degrees, set the fp32
+        matmul precision (CUDA), build the world mesh and log it with the precision policy."""
+        trainer = self.lightning_module.trainer
+        check_lightning_clipping(trainer.gradient_clip_val)  # before any rendezvous
         # The parent's setup_environment would build its own 2-D mesh; its process-group half is this private method.
         self._setup_distributed()
+        apply_matmul_precision(self.float32_matmul_precision, self.root_device.type)
         if self.cpu_keep_freed_memory and self.root_device.type == "cpu":
             keep_freed_memory()
         dims = ParallelDims(**self._degrees, world_size=self.world_size)
@@ -213,7 +268,7 @@ class KempnerStrategy(ModelParallelStrategy):
             self.pipeline = PipelineRunner(self.parallel_mesh.pp, n_layers, **self.pp_options)
         self._device_mesh = self.parallel_mesh.world
         self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy does (no public setter)
-        rank_zero_info(self.parallel_mesh.describe())
+        rank_zero_info(f"{self.parallel_mesh.describe()}; {self.describe_precision()}")
         log.debug(self.parallel_mesh.describe())
 
     @property

@@ -72,3 +72,33 @@ def apply_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     sin = sin[:, :, None, :].float()
     x32 = x.float()
     return (x32 * cos + rotate_half(x32) * sin).to(x.dtype)
+
+
+def pack_rope(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``cos`` / ``sin`` tables as one int32 tensor holding their bits, for crossing block boundaries.
+
+    FSDP2's ``MixedPrecisionPolicy`` (``cast_forward_inputs``) casts every floating-point tensor a unit
+    receives to its ``param_dtype``: fp32 RoPE tables handed to a bf16 block would be rounded to bf16
+    (2e-3 max error in the rotation). An integer tensor is never cast, and the bit view is exact and free;
+    :func:`unpack_rope` views it back inside the block. (torchtitan passes a complex ``freqs_cis`` for the
+    same reason; inductor has no complex code generation, so per-block compile would fall back there.)
+
+    Args:
+        cos, sin: (..., head_dim) fp32 tables (slices of :func:`rope_tables`, or per-row gathers of them).
+
+    Returns:
+        (2, ..., head_dim) int32.
+    """
+    return torch.stack((cos.float(), sin.float())).view(torch.int32)
+
+
+def unpack_rope(rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` fp32 views of a :func:`pack_rope` tensor (2, ..., head_dim) int32; no copy.
+
+    Raises:
+        TypeError: ``rope`` is not int32 (e.g. fp32 tables passed where the packed tensor belongs).
+    """
+    if rope.dtype != torch.int32:
+        raise TypeError(f"expected the packed RoPE tables (int32, kempnerforge.model.rope.pack_rope), got {rope.dtype}")
+    tables = rope.view(torch.float32)
+    return tables[0], tables[1]

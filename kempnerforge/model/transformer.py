@@ -17,7 +17,7 @@ from kempnerforge.model.init import canonical_fqn
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.moe import MoE
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.rope import pack_rope, rope_tables, unpack_rope
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.training.chunked_ce import chunked_linear_cross_entropy_sum
 
@@ -29,8 +29,10 @@ class TransformerBlock(nn.Module):
     the :class:`~kempnerforge.model.moe.MoE` module ``moe``; the two names never coexist, so FQNs of
     a dense model are unchanged by the MoE fields.
 
-    Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim), key_mask (batch, seq)
-    bool or None) -> (batch, seq, dim); see :meth:`Attention.forward` for ``key_mask``.
+    Shapes: forward(x (batch, seq, dim), rope (2, seq, head_dim) int32, key_mask (batch, seq) bool or None)
+    -> (batch, seq, dim); ``rope`` is the fp32 RoPE tables' bits (:func:`~kempnerforge.model.rope.pack_rope`:
+    a block is an FSDP2 unit, whose mixed-precision policy would cast fp32 tables to bf16); see
+    :meth:`Attention.forward` for ``key_mask``.
     """
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
@@ -43,10 +45,9 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the block to ``x`` (batch, seq, dim)."""
+        cos, sin = unpack_rope(rope)
         # key_mask by keyword: TP's PrepareModuleInput (sequence parallel) lays out the positional inputs only.
         h = x + self.attention(self.attention_norm(x), cos, sin, key_mask=key_mask)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
@@ -127,12 +128,12 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # stays fp32 through bf16 blocks
         # Packed documents: one (batch, 1, seq, seq) mask for every layer; None keeps the is_causal kernel.
         mask = None if doc_ids is None else document_causal_mask(doc_ids)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, rope, mask)
         if labels is None:
             return self.output(self.norm(h))
         if loss_chunk_size < 1:

@@ -116,3 +116,23 @@ def clip_grad_norm_(
             # torch's documented foreach op (clip_grads_with_norm_ uses it; its coefficient cannot carry grad_scale).
             torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm
+
+
+def check_lightning_clipping(gradient_clip_val: float | None) -> None:
+    """Refuse Lightning's ``trainer.gradient_clip_val``: clipping is the module's ``grad_clip``.
+
+    The modules clip in ``on_before_optimizer_step`` by the true global norm over DTensor, expert and
+    pipeline gradients (:func:`clip_grad_norm_`). Lightning's clipping would run ``torch.nn.utils`` on
+    top of that: a second clip under FSDP2, a crash on TP's mixed meshes. ``None`` and 0 (Lightning's
+    "off") pass.
+
+    Raises:
+        ValueError: ``gradient_clip_val`` set and not 0 (one line naming ``model.grad_clip``).
+    """
+    if gradient_clip_val is None or float(gradient_clip_val) == 0.0:
+        return
+    raise ValueError(
+        f"trainer.gradient_clip_val={gradient_clip_val} is not supported: kempnerforge clips by the global gradient "
+        f"norm over every mesh and pipeline stage itself; set model.grad_clip={gradient_clip_val} (default 1.0, "
+        "0 disables it) and remove trainer.gradient_clip_val."
+    )

@@ -205,14 +205,10 @@ class PipelineRunner:
 
 
 def update_validation_metrics(module: object, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:
-    """Feed a pipelined validation batch into ``CausalLM``'s ``val_loss`` / ``val_ppl`` and log them.
+    """Feed a pipelined validation batch into ``CausalLM``'s ``val/loss`` and ``val/ppl``.
 
-    ``val_ppl`` (:class:`~kempnerforge.metrics.perplexity.TokenPerplexity`) takes the summed negative
-    log-likelihood and the token count, which is exactly the pipeline's ``loss_sum`` and ``n_targets``;
-    the result equals an unsplit model's ``validation_step``.
+    The pipeline's ``loss_sum`` (summed token loss of the batch, on every pp rank) and ``n_targets`` are
+    what :meth:`CausalLM.record_validation` takes, so the result equals an unsplit model's
+    ``validation_step`` (which needs the logits, here only on the last stage).
     """
-    n = n_targets.to(loss_sum.dtype)
-    module.val_loss.update(loss_sum / n.clamp(min=1), weight=n)
-    module.val_ppl.update(loss_sum, n_targets)
-    module.log("val/loss", module.val_loss, prog_bar=True)
-    module.log("val/ppl", module.val_ppl)
+    module.record_validation(loss_sum, n_targets)

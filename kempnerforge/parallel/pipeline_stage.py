@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kempnerforge.model.rope import pack_rope
+
 
 class DecoderStage(nn.Module):
     """Blocks ``layers`` of one stage, with the embedding on the first stage and norm + head on the last.
@@ -40,9 +42,9 @@ class DecoderStage(nn.Module):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         model = self._owner[0]
         seq = h.shape[1]
-        cos, sin = model.rope_cos[:seq], model.rope_sin[:seq]
+        rope = pack_rope(model.rope_cos[:seq], model.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, rope)
         if self.output is None:
             return h
         return self.output(self.norm(h))

@@ -23,12 +23,12 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from kempnerforge.checkpoint.load import load_checkpoint_model
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.data.prepare import prepare_data
+from kempnerforge.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
 SPLITS = ("val", "train", "all")
 
@@ -43,26 +43,41 @@ class PerplexityResult:
 
 
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, loader: DataLoader, device: torch.device | str = "cpu") -> PerplexityResult:
-    """Mean next-token cross-entropy (fp32 logits, summed then divided by the token count) and its exp.
+def perplexity(
+    model: torch.nn.Module, loader: DataLoader, device: torch.device | str = "cpu", loss_chunk_size: int = 0
+) -> PerplexityResult:
+    """Mean next-token cross-entropy (fp32, summed then divided by the token count) and its exp.
+
+    The loss is computed as training computed it (``CausalLM``'s validation path): with
+    ``loss_chunk_size > 0`` the output head and cross-entropy run over chunks of that many tokens
+    (:mod:`kempnerforge.training.chunked_ce`), so the full ``(batch, seq, vocab)`` fp32 logits never exist.
+    Sums stay on the device; the host reads them once at the end.
 
     Args:
-        model: maps input_ids (batch, seq) to logits (batch, seq, vocab).
+        model: maps input_ids (batch, seq) to logits (batch, seq, vocab); with ``loss_chunk_size > 0`` a
+            :class:`~kempnerforge.model.Transformer` (``model(ids, labels=..., loss_chunk_size=...)``).
         loader: yields ``{"input_ids", "labels"}`` (batch, seq); labels -100 are ignored.
+        device: where the model runs.
+        loss_chunk_size: tokens per chunk of the fused head + loss (0: full logits).
 
     Raises:
         ValueError: the loader yields no target token.
     """
-    total, count = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.int64, device=device)
     for batch in loader:
-        labels = batch["labels"].to(device)
-        logits = model(batch["input_ids"].to(device)).float()
-        total += float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"))
-        count += int((labels != -100).sum())
-    if count == 0:
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        if loss_chunk_size:
+            loss_sum, _ = model(ids, labels=labels, loss_chunk_size=loss_chunk_size)
+        else:
+            loss_sum, _ = token_cross_entropy_sum(model(ids), labels)
+        total += loss_sum.double()
+        count += (labels != IGNORE_INDEX).sum()
+    n = int(count)  # the one host read
+    if n == 0:
         raise ValueError("perplexity: the data has no target tokens")
-    loss = total / count
-    return PerplexityResult(loss, math.exp(loss), count)
+    loss = float(total) / n
+    return PerplexityResult(loss, math.exp(loss), n)
 
 
 def eval_windows(data_dir: str, seq_len: int, val_fraction: float, split: str, data_seed: int = 0):
@@ -96,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq_len", type=int, default=None, help="tokens per window (default: the run's)")
     p.add_argument("--val_fraction", type=float, default=None, help="default: the run's")
     p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument(
+        "--loss_chunk_size", type=int, default=None, help="tokens per fused head+loss chunk (default: the run's)"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
@@ -123,7 +141,13 @@ def eval_main(argv: list[str] | None = None) -> PerplexityResult:
         if data_dir is None:
             parser.error("--data_dir or --source is needed (the checkpoint records no data module)")
         windows = eval_windows(data_dir, seq_len, val_fraction, split, run.get("data_seed", run.get("seed", 0)))
-        result = perplexity(loaded.model, DataLoader(windows, batch_size=args.batch_size), args.device)
+        chunk = args.loss_chunk_size
+        if chunk is None:
+            chunk = (loaded.meta.get("hyper_parameters") or {}).get("loss_chunk_size", 0)
+        if chunk < 0:
+            parser.error(f"--loss_chunk_size={chunk} must be >= 0 (0: full logits)")
+        loader = DataLoader(windows, batch_size=args.batch_size)
+        result = perplexity(loaded.model, loader, args.device, loss_chunk_size=chunk)
     print(f"{split} split of {data_dir if args.source is None else args.source}: loss {result.loss:.6f} nats/token, "
           f"perplexity {result.perplexity:.4f} over {result.tokens:,} tokens")  # fmt: skip
     return result

@@ -18,9 +18,14 @@ from kempnerforge.training.loss import IGNORE_INDEX
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, z_weight: float
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_size: int,
+        z_weight: float,
+        need_grad: bool,
     ):
-        need_grad = torch.is_grad_enabled() or hidden.requires_grad or weight.requires_grad
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_grad else None
@@ -53,7 +58,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_z: torch.Tensor | None = None):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None
 
 
 def chunked_linear_cross_entropy_sum(
@@ -68,6 +73,9 @@ def chunked_linear_cross_entropy_sum(
         chunk_size: tokens per chunk (> 0); peak extra memory is ``chunk_size * vocab * 4`` bytes.
         z_loss_weight: weight ``w`` of the z-loss ``w * logsumexp(logits)^2`` per target token (PaLM,
             arXiv:2204.02311 sec. 5); 0 turns it off.
+
+    Under ``torch.no_grad`` / ``inference_mode`` (validation) only the loss is computed: no gradient
+    buffers, peak extra memory one ``(chunk_size, vocab)`` fp32 block.
 
     Returns:
         ``(loss_sum, z_sum)``: loss_sum is the fp32 scalar ``CE sum + w * z_sum`` (nats), differentiable
@@ -85,4 +93,7 @@ def chunked_linear_cross_entropy_sum(
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree in the number of tokens."
         )
-    return _LinearCrossEntropySum.apply(hidden2d, weight, labels1d, chunk_size, float(z_loss_weight))
+    # Decided here, not in forward (which always runs with grad disabled, and sees requires_grad=True on a
+    # parameter even under no_grad / inference_mode): validation computes no gradients.
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropySum.apply(hidden2d, weight, labels1d, chunk_size, float(z_loss_weight), need_grad)

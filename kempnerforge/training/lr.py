@@ -128,7 +128,8 @@ class WarmupDecayLR(LambdaLR):
 
     Raises:
         ValueError: in :meth:`load_state_dict`, when the checkpoint's schedule (family, warmup,
-            total_steps, ...) differs from this one: resuming would jump to another curve.
+            total_steps, ...) differs from this one: resuming would jump to another curve. A checkpoint with
+            another number of param groups (another mesh) loads: every group follows the same curve.
     """
 
     def __init__(
@@ -157,7 +158,32 @@ class WarmupDecayLR(LambdaLR):
                 "another curve: keep trainer.max_steps and model.scheduler.* as saved, or pin "
                 "model.scheduler.total_steps to the saved total_steps."
             )
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "schedule"})
+        super().load_state_dict(self._per_group(state_dict))
+
+    def _per_group(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """LambdaLR's per-group lists (``base_lrs``, ``_last_lr``, ``lr_lambdas``) sized to this optimizer.
+
+        A checkpoint written under another mesh can hold another number of param groups: the optimizers keep
+        plain and DTensor parameters in separate groups (:func:`kempnerforge.training.optimizers.param_groups`),
+        so e.g. tp=2 without FSDP2 has more groups than dp_shard=2. One curve scales every group and every group
+        starts at the same lr, so a list of equal values maps onto any count.
+
+        Raises:
+            ValueError: the saved lists differ between groups and their count differs from this optimizer's.
+        """
+        state = {k: v for k, v in state_dict.items() if k != "schedule"}
+        n = len(self.optimizer.param_groups)
+        for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+            values = state.get(key)
+            if not isinstance(values, list) or len(values) == n or not values:
+                continue
+            if any(v != values[0] for v in values):
+                raise ValueError(
+                    f"The checkpoint's LR scheduler has {len(values)} param groups with different {key} ({values}); "
+                    f"this optimizer has {n}, so they cannot be matched."
+                )
+            state[key] = values[:1] * n
+        return state
 
 
 def build_scheduler(

@@ -2,7 +2,9 @@
 
 Every optimizer gets the same parameter groups (:func:`param_groups`): frozen parameters are left
 out, 2-D weight matrices are decayed, norms / biases / embeddings are not (GPT-2 / nanoGPT / litgpt
-convention). Each is a plain ``torch.optim.Optimizer`` whose ``state_dict`` holds only tensors keyed
+convention), and DTensor parameters never share a group with plain ones (tensor parallelism without
+FSDP2 leaves the parameters outside the TP plan, e.g. norms without sequence parallel or a VLM's
+connector, plain: fused and foreach kernels, which run per group, refuse a mix). Each is a plain ``torch.optim.Optimizer`` whose ``state_dict`` holds only tensors keyed
 by parameter, so Lightning, FSDP2 (DTensor parameters) and DCP checkpoints treat them alike.
 
 Sources:
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 #: Allowed values of ``OptimizerConfig.name``.
 OPTIMIZERS: tuple[str, ...] = ("adamw", "muon", "lion", "schedule_free_adamw")
@@ -58,6 +61,8 @@ class OptimizerConfig:
     """Also decay embedding tables (and a head tied to them)."""
     fused: bool | None = None
     """Use the fused AdamW kernel (None: on CUDA only). AdamW only."""
+    foreach: bool | None = None
+    """Use the foreach (multi-tensor) AdamW implementation (None: torch's choice when not fused). AdamW only."""
     muon_momentum: float = 0.95
     """Muon momentum (Nesterov) on the hidden matrices."""
     muon_ns_steps: int = 5
@@ -82,8 +87,11 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.muon_ns_steps={self.muon_ns_steps} must be in [1, 100).")
         if self.muon_adjust_lr not in MUON_ADJUST_LR:
             raise ValueError(f"optimizer.muon_adjust_lr={self.muon_adjust_lr!r}; choose one of {list(MUON_ADJUST_LR)}.")
-        if self.fused and self.name != "adamw":
-            raise ValueError(f"optimizer.fused=True applies to adamw only, not {self.name!r}.")
+        for flag in ("fused", "foreach"):
+            if getattr(self, flag) and self.name != "adamw":
+                raise ValueError(f"optimizer.{flag}=True applies to adamw only, not {self.name!r}.")
+        if self.fused and self.foreach:
+            raise ValueError("optimizer.fused=True and optimizer.foreach=True exclude each other; set one.")
 
 
 def _embedding_ids(model: nn.Module) -> set[int]:
@@ -91,11 +99,16 @@ def _embedding_ids(model: nn.Module) -> set[int]:
 
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
-    """Split trainable parameters into a decayed and a non-decayed group.
+    """Split trainable parameters into a decayed and a non-decayed group, each split again into plain
+    tensors and DTensors.
 
     Embedding parameters are found by module type (``nn.Embedding``), so a head tied to the embedding
-    follows the embedding's rule. Frozen parameters (``requires_grad=False``) are left out. Returns
-    groups with ``weight_decay`` set; empty groups are dropped.
+    follows the embedding's rule. Frozen parameters (``requires_grad=False``) are left out. A group
+    mixing plain tensors and DTensors (TP without FSDP2: ``dp_shard=1``, or ``pp x tp``) would make
+    fused / foreach kernels fail ("got mixed torch.Tensor and DTensor"); those run one group at a
+    time, so the kinds are kept apart (DTensors of different meshes may share a group). Returns groups
+    with ``weight_decay`` set, in the order decay (plain, DTensor), no decay (plain, DTensor); empty
+    groups are dropped.
     """
     embedding_ids = _embedding_ids(model)
     decay, no_decay, seen = [], [], set()
@@ -107,16 +120,31 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
             id(p) in embedding_ids and not cfg.decay_embeddings
         )
         (no_decay if exempt else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+    groups = []
+    for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+        for dtensor in (False, True):
+            kind = [p for p in params if isinstance(p, DTensor) == dtensor]
+            if kind:
+                groups.append({"params": kind, "weight_decay": wd})
+    return groups
 
 
 def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups` of ``model`` (works on FSDP2 / DTensor parameters)."""
+    """AdamW over :func:`param_groups` of ``model`` (works on FSDP2 / TP DTensor parameters, any mix).
+
+    Fused on CUDA unless ``cfg.fused`` / ``cfg.foreach`` say otherwise (CPU has a fused kernel too).
+    """
     params = list(model.parameters())
-    fused = cfg.fused if cfg.fused is not None else bool(params) and params[0].device.type == "cuda"
+    fused = cfg.fused
+    if fused is None:
+        fused = not cfg.foreach and bool(params) and params[0].device.type == "cuda"
     return torch.optim.AdamW(
-        param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
+        param_groups(model, cfg),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=fused,
+        foreach=cfg.foreach,
     )
 
 

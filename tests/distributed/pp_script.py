@@ -1,7 +1,8 @@
 """Pipeline-parallel training runs for the distributed tests, several per launch (each launch costs ~10 s).
 
 ``--runs`` lists runs as ``name:key=value,...`` (keys: pp, schedule, v, mb, steps, ckpt_every, resume,
-micro_batch, dp_shard, val_batches, ac, tp, sp, acc = accumulate_grad_batches). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
+micro_batch, dp_shard, val_batches, ac, tp, sp, acc = accumulate_grad_batches, opt = optimizer name, fused /
+foreach = 1 for those AdamW kernels, spy = 1 to record the largest DTensor gathered during validation). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
 writes ``{name: {"losses": [...], "grad_norms": [...], "steps": [...]}}`` to ``--out``. Checkpoints go
 to ``<--ckpt-root>/<name>``; ``resume=<other name>/<checkpoint dir>`` resumes from another run's save.
 """
@@ -16,8 +17,9 @@ import sys
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor, Replicate
 
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
@@ -28,7 +30,37 @@ from kempnerforge.training.optimizers import OptimizerConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* under torchrun
 from tests.distributed.train_script import Recorder, tiny_config  # noqa: E402
 
-INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches", "tp", "sp", "acc")
+INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches", "tp", "sp", "acc",
+            "fused", "foreach", "spy")  # fmt: skip
+LR = {"adamw": 3e-3, "muon": 3e-3, "lion": 1e-3, "schedule_free_adamw": 3e-3}
+
+
+class GatherSpy(Callback):
+    """The largest DTensor (global elements) made whole (``full_tensor`` / ``redistribute`` to all-Replicate)
+    while validation runs: loss parallel must never gather the ``(batch, seq, vocab)`` logits."""
+
+    def __init__(self) -> None:
+        self.largest = 0
+        self._saved = None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        full, redistribute = DTensor.full_tensor, DTensor.redistribute
+        spy = self
+
+        def full_tensor(t, *args, **kwargs):
+            spy.largest = max(spy.largest, t.numel())
+            return full(t, *args, **kwargs)
+
+        def redistribute_(t, device_mesh=None, placements=None, **kwargs):
+            if placements is not None and all(isinstance(p, Replicate) for p in placements):
+                spy.largest = max(spy.largest, t.numel())
+            return redistribute(t, device_mesh, placements, **kwargs)
+
+        self._saved = (full, redistribute)
+        DTensor.full_tensor, DTensor.redistribute = full_tensor, redistribute_
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        DTensor.full_tensor, DTensor.redistribute = self._saved
 
 
 class StepRecorder(Recorder):
@@ -50,10 +82,13 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
     """One fit; returns the recorded losses, grad norms and global steps (all ranks see the same)."""
     seed_everything(0, workers=True)
     pp = opts.get("pp", 1)
+    opt_name = opts.get("opt", "adamw")
+    kernels = {k: True for k in ("fused", "foreach") if opts.get(k)}
+    decay = "constant" if opt_name == "schedule_free_adamw" else "cosine"
     module = CausalLM(
         config=dataclasses.replace(tiny_config(), n_layers=4),
-        optimizer=OptimizerConfig(lr=3e-3),
-        scheduler=SchedulerConfig(warmup_steps=2, total_steps=20),
+        optimizer=OptimizerConfig(name=opt_name, lr=LR[opt_name], **kernels),
+        scheduler=SchedulerConfig(warmup_steps=2, decay=decay, total_steps=20),
         grad_clip=float(opts.get("clip", 1.0)),
     )
     datamodule = TokenDataModule(
@@ -63,8 +98,8 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
     if pp > 1:
         pp_kwargs = {"pp_schedule": opts.get("schedule", "1f1b"), "pp_virtual_stages": opts.get("v", 1)}
         pp_kwargs["pp_microbatches"] = opts.get("mb")
-    recorder = StepRecorder()
-    callbacks = [recorder]
+    recorder, spy = StepRecorder(), GatherSpy()
+    callbacks = [recorder, spy] if opts.get("spy") else [recorder]
     if opts.get("ckpt_every"):
         callbacks.append(
             ModelCheckpoint(
@@ -102,6 +137,8 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
     if "val/loss" in trainer.callback_metrics:
         record["val_loss"] = float(trainer.callback_metrics["val/loss"])
         record["val_ppl"] = float(trainer.callback_metrics["val/ppl"])
+    if opts.get("spy"):
+        record["largest_val_gather"] = spy.largest
     return record
 
 

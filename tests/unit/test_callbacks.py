@@ -16,6 +16,7 @@ from kempnerforge.callbacks import ActivationCapture, HealthCheck, MemoryMonitor
 from kempnerforge.config import ModelConfig
 from kempnerforge.metrics.health import DeviceHealth
 from kempnerforge.model.hooks import attention_probs
+from kempnerforge.model.rope import pack_rope
 from kempnerforge.module import CausalLM
 from kempnerforge.training.lr import SchedulerConfig
 
@@ -176,7 +177,7 @@ def test_activation_capture_of_causal_lm_equals_a_direct_forward(tmp_path):
     m = ref.model
     with torch.no_grad():
         cos, sin = m.rope_cos[:SEQ], m.rope_sin[:SEQ]
-        h0 = m.layers["0"](m.tok_embeddings(batches[0]["input_ids"]), cos, sin)
+        h0 = m.layers["0"](m.tok_embeddings(batches[0]["input_ids"]), pack_rope(cos, sin))
         probs = attention_probs(m.layers["1"].attention, m.layers["1"].attention_norm(h0), cos, sin)
     np.testing.assert_allclose(data["model.layers.0"], h0.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(data["model.layers.1.attention.attn_probs"], probs.numpy(), rtol=1e-5, atol=1e-6)

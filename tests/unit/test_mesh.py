@@ -64,6 +64,6 @@ def test_strategy_refuses_bad_degrees_at_construction():
         KempnerStrategy(dp_replicate=0)
     with pytest.raises(
         ValueError,
-        match=r"mixed_precision_param='fp16' is not allowed; choose one of \['bfloat16', 'float32'\]",
+        match=r"mixed_precision_param='fp16' is not allowed; choose one of \['auto', 'bfloat16', 'float32'\]",
     ):
         KempnerStrategy(mixed_precision_param="fp16")

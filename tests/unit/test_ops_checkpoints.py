@@ -140,6 +140,8 @@ def test_eval_perplexity_equals_exp_val_loss(kind, trained):
     result = eval_main(["--ckpt", str(ckpt)])  # defaults: the run's data_dir, seq_len, val split
     assert result.loss == pytest.approx(val_loss, rel=1e-5)
     assert result.perplexity == pytest.approx(math.exp(val_loss), rel=1e-5)
+    chunked = eval_main(["--ckpt", str(ckpt), "--loss_chunk_size", "16"])  # the fused head: no full logits
+    assert (chunked.loss, chunked.tokens) == (pytest.approx(result.loss, rel=1e-6), result.tokens)
 
 
 def test_eval_hf_text_source(trained, tmp_path, shakespeare_text, gpt2_tokenizer_dir):

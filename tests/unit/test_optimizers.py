@@ -128,3 +128,57 @@ def test_schedule_free_refuses_a_decaying_schedule():
     with pytest.raises(ValueError, match=r"schedule_free_adamw' needs scheduler.decay 'constant' or 'none'"):
         CausalLM(CFG, optimizer=OptimizerConfig(name="schedule_free_adamw"), scheduler=SchedulerConfig(decay="cosine"))
     CausalLM(CFG, optimizer=OptimizerConfig(name="schedule_free_adamw"), scheduler=SchedulerConfig(decay="constant"))
+
+
+def _tp_like_model() -> Transformer:
+    """The tiny model with its Linear and embedding weights as DTensors (1-rank mesh) and the norms plain: the
+    parameter mix tensor parallelism without FSDP2 leaves (norms outside the TP plan, no sequence parallel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    model = _model()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear | torch.nn.Embedding):
+            m.weight = torch.nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Replicate()]))
+    return model
+
+
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_plain_and_dtensor_parameters_get_separate_groups_so_fused_kernels_run(gloo_world_1, kernel):
+    from torch.distributed.tensor import DTensor
+
+    model = _tp_like_model()
+    opt = build_optimizer(model, OptimizerConfig(**{kernel: True}))
+    kinds = [({isinstance(p, DTensor) for p in g["params"]}, g["weight_decay"]) for g in opt.param_groups]
+    assert kinds == [({True}, 0.1), ({False}, 0.0), ({True}, 0.0)]  # decay: matrices; no decay: norms, embedding
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # one mixed group used to fail: "got mixed torch.Tensor and DTensor"
+    with pytest.raises(ValueError, match="exclude each other"):
+        OptimizerConfig(fused=True, foreach=True)
+    with pytest.raises(ValueError, match=r"optimizer.foreach=True applies to adamw only"):
+        OptimizerConfig(name="lion", foreach=True)
+
+
+def test_lr_schedule_resumes_across_a_change_in_the_number_of_param_groups(gloo_world_1):
+    """A checkpoint written under one mesh (2 groups, all plain) resumes under another (more groups): one curve."""
+    from kempnerforge.training.lr import build_scheduler
+
+    cfg = SchedulerConfig(warmup_steps=2, total_steps=10)
+    a_opt = build_optimizer(_model(), OptimizerConfig())
+    a = build_scheduler(a_opt, cfg, 10)
+    for _ in range(4):
+        a_opt.step()
+        a.step()
+    b_opt = build_optimizer(_tp_like_model(), OptimizerConfig())
+    assert len(b_opt.param_groups) > len(a_opt.param_groups)
+    b = build_scheduler(b_opt, cfg, 10)
+    b.load_state_dict(a.state_dict())
+    for _ in range(3):
+        a_opt.step(), a.step(), b_opt.step(), b.step()
+        assert b.get_last_lr() == [a.get_last_lr()[0]] * len(b_opt.param_groups)
+    state = a.state_dict()
+    state["base_lrs"] = [1e-3, 2e-3]
+    with pytest.raises(ValueError, match="cannot be matched"):
+        build_scheduler(b_opt, cfg, 10).load_state_dict(state)

@@ -7,6 +7,7 @@ import torch
 
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
+from kempnerforge.model.rope import pack_rope
 
 
 def tiny_text_config(**overrides) -> ModelConfig:
@@ -32,7 +33,7 @@ def dense_joint_logits(
     h = torch.cat([visual, dense.tok_embeddings(ids)], dim=1)
     seq = h.shape[1]
     for layer in dense.layers.values():
-        h = layer(h, dense.rope_cos[:seq], dense.rope_sin[:seq], key_mask)
+        h = layer(h, pack_rope(dense.rope_cos[:seq], dense.rope_sin[:seq]), key_mask)
     return dense.output(dense.norm(h[:, visual.shape[1] :]))
 
 

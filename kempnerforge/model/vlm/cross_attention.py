@@ -24,7 +24,7 @@ from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.rope import pack_rope, rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 from kempnerforge.model.vlm.base import VLMBackbone, register_arch
@@ -81,9 +81,10 @@ class CrossAttention(nn.Module):
 class CrossAttentionDecoderLayer(TransformerBlock):
     """A dense decoder layer, preceded (when ``has_cross``) by the tanh-gated cross-attention block.
 
-    Shapes: forward(x (batch, text, dim), cos, sin (text, head_dim), key_mask (batch, text) bool or
-    None, visual (batch, n_visual, dim) or None, visual_mask (batch, n_visual) bool or None) ->
-    (batch, text, dim). With ``visual`` None the cross block is skipped (a text-only batch).
+    Shapes: forward(x (batch, text, dim), rope (2, text, head_dim) int32 (packed RoPE tables,
+    :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, text) bool or None, visual (batch,
+    n_visual, dim) or None, visual_mask (batch, n_visual) bool or None) -> (batch, text, dim). With
+    ``visual`` None the cross block is skipped (a text-only batch).
     """
 
     def __init__(self, config: ModelConfig, layer: int, has_cross: bool, n_kv_heads: int) -> None:
@@ -100,8 +101,7 @@ class CrossAttentionDecoderLayer(TransformerBlock):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: torch.Tensor,
         key_mask: torch.Tensor | None = None,
         visual: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
@@ -111,7 +111,7 @@ class CrossAttentionDecoderLayer(TransformerBlock):
             attn = self.cross_attention(self.cross_attention_norm(x), visual, visual_mask)
             x = x + torch.tanh(self.cross_attention_gate) * attn
             x = x + torch.tanh(self.cross_ffn_gate) * self.cross_feed_forward(self.cross_ffn_norm(x))
-        return super().forward(x, cos, sin, key_mask)
+        return super().forward(x, rope, key_mask)
 
 
 @register_arch("cross_attention")
@@ -193,12 +193,12 @@ class CrossAttentionDecoder(VLMBackbone):
         seq = input_ids.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"text length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
         h = self.tok_embeddings(input_ids)
         if visual is not None:
             visual = visual.to(h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, text_mask, visual, visual_mask)
+            h = layer(h, rope, text_mask, visual, visual_mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()

@@ -15,7 +15,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.attention import causal_key_mask
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.rope import pack_rope, rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 from kempnerforge.model.vlm.base import VLMBackbone, prefix_sequence, register_arch
@@ -96,10 +96,10 @@ class JointDecoder(VLMBackbone):
                 f"joint sequence of {seq} positions (visual + text) exceeds ModelConfig.max_seq_len="
                 f"{self.rope_cos.shape[0]}"
             )
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
         # One (batch, 1, seq, seq) mask for every layer instead of one per layer's attention.
         mask = None if key_mask is None else causal_key_mask(key_mask)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
+            h = layer(h, rope, mask)
         n_text = input_ids.shape[1]
         return self.output(self.norm(h[:, seq - n_text :]))

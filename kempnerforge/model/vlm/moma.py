@@ -29,6 +29,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.attention import Attention
 from kempnerforge.model.norm import RMSNorm
+from kempnerforge.model.rope import unpack_rope
 from kempnerforge.model.tp_plan import dense_decoder_tp_plan
 from kempnerforge.model.vlm.base import register_arch
 from kempnerforge.model.vlm.dispatch import MODALITY_NAMES, ModalityDispatch
@@ -44,8 +45,9 @@ class MoMaBlock(nn.Module):
 
     Norms and attention are shared by all modalities (as the paper); the FFN is per modality.
 
-    Shapes: forward(x (batch, seq, dim), cos, sin (seq, head_dim), key_mask (batch, seq) bool or None,
-    dispatch) -> (batch, seq, dim). Padded positions (``key_mask`` False) take no expert capacity.
+    Shapes: forward(x (batch, seq, dim), rope (2, seq, head_dim) int32 (packed RoPE tables,
+    :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, seq) bool or None, dispatch) -> (batch, seq,
+    dim). Padded positions (``key_mask`` False) take no expert capacity.
     """
 
     def __init__(self, config: ModelConfig, vlm: VLMConfig) -> None:
@@ -61,12 +63,12 @@ class MoMaBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: torch.Tensor,
         key_mask: torch.Tensor | None,
         dispatch: ModalityDispatch,
     ) -> torch.Tensor:
         """Apply the block to ``x`` (batch, seq, dim)."""
+        cos, sin = unpack_rope(rope)
         h = x + self.attention(self.attention_norm(x), cos, sin, key_mask)
         normed = self.ffn_norm(h)
         parts = []

@@ -27,7 +27,7 @@ from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.attention import causal_key_mask
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import apply_rope
+from kempnerforge.model.rope import apply_rope, unpack_rope
 from kempnerforge.model.vlm.base import register_arch
 from kempnerforge.model.vlm.dispatch import MODALITY_NAMES, ModalityDispatch
 from kempnerforge.model.vlm.prefix_backbone import PrefixBackbone
@@ -105,8 +105,8 @@ class MoTBlock(nn.Module):
     """Pre-norm MoT block: ``h = x + attn(norm_m(x)); out = h + ffn_m(ffn_norm_m(h))``, with ``_m`` the
     token's modality's weights and one global attention (arXiv:2411.04996, sec. 2.2).
 
-    Shapes: forward(x (batch, seq, dim), cos, sin (seq, head_dim), key_mask (batch, seq) bool or None,
-    dispatch) -> (batch, seq, dim).
+    Shapes: forward(x (batch, seq, dim), rope (2, seq, head_dim) int32 (packed RoPE tables,
+    :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, seq) bool or None, dispatch) -> (batch, seq, dim).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -123,12 +123,12 @@ class MoTBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: torch.Tensor,
         key_mask: torch.Tensor | None,
         dispatch: ModalityDispatch,
     ) -> torch.Tensor:
         """Apply the block to ``x`` (batch, seq, dim)."""
+        cos, sin = unpack_rope(rope)
         normed = [self.attention_norm[name](dispatch.gather(x, m)) for m, name in enumerate(MODALITY_NAMES)]
         h = x + self.attention(normed, cos, sin, key_mask, dispatch)
         return h + dispatch.apply(h, [self._ffn(name) for name in MODALITY_NAMES])

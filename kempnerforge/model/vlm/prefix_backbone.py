@@ -21,7 +21,7 @@ from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.init import canonical_fqn, copy_full_
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.rope import pack_rope, rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.model.vlm.base import VLMBackbone, prefix_sequence
 from kempnerforge.model.vlm.dispatch import ModalityDispatch
@@ -88,9 +88,9 @@ class PrefixBackbone(VLMBackbone):
         h, key_mask, modality = prefix_sequence(visual, self.tok_embeddings(input_ids), visual_mask, text_mask)
         dispatch = ModalityDispatch(modality)
         seq = h.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
         for layer in self.layers.values():
-            h = layer(h, cos, sin, key_mask, dispatch)
+            h = layer(h, rope, key_mask, dispatch)
         return self.output(self.norm(h[:, n_vis:]))
 
     def _check_inputs(self, input_ids, visual, text_mask, visual_mask) -> None:
