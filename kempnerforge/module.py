@@ -16,8 +16,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
-from typing_extensions import override
 from torchmetrics.text import Perplexity
+from typing_extensions import override
 
 from kempnerforge.callbacks.freeze import FreezeSchedule
 from kempnerforge.config import ModelConfig

@@ -141,7 +141,9 @@ class PipelineRunner:
         dist.all_reduce(total, group=self.pp_mesh.get_group())  # other ranks add exact zeros
         return total
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: torch.Tensor | float) -> torch.Tensor:
+    def train_step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: torch.Tensor | float
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch through the schedule.
 
         Args:

@@ -228,6 +228,8 @@ class StepTokenNormalizer:
         if self._stats is None:
             raise RuntimeError("StepTokenNormalizer.step_loss() called without a micro-batch recorded by add().")
         if not self._reduced:
-            raise RuntimeError("StepTokenNormalizer.step_loss() called before finish_gradients() of an accumulated step.")
+            raise RuntimeError(
+                "StepTokenNormalizer.step_loss() called before finish_gradients() of an accumulated step."
+            )
         stats, self._stats = self._stats, None
         return (stats[0] / stats[1].clamp(min=1)).float(), stats[1].float()
