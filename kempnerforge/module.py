@@ -344,7 +344,9 @@ class CausalLM(LightningModule):
         ``grad_clip`` by the true global norm (DTensor-aware) and log that norm (before clipping)."""
         self._finish_step_gradients()  # already done by optimizer_step unless a subclass replaced it
         global_loss, _ = self._step_tokens.step_loss()
-        self.log("train/loss", global_loss, prog_bar=True, rank_zero_only=True)
+        # Not prog_bar: Lightning converts prog_bar metrics to numbers after every batch (a host sync);
+        # kempnerforge.callbacks.ProgressBar shows train/loss at the logging interval instead.
+        self.log("train/loss", global_loss, rank_zero_only=True)
         pp_group = getattr(self.trainer.strategy, "pp_group", None)  # pipeline stages: norm over all of them
         norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=pp_group)
         self.log("train/grad_norm", norm, rank_zero_only=True)
