@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 
 import torch
@@ -18,6 +19,32 @@ from torch.distributed.device_mesh import init_device_mesh
 from kempnerforge.config import ModelConfig
 from kempnerforge.model.moe import MoE
 from kempnerforge.parallel.expert_parallel import apply_ep
+
+
+def _capacity_errors(ref, ep_moe, xs, rank: int, world: int, e_local: int) -> dict[str, float]:
+    """capacity_factor=1: each rank drops its own overflow (capacity counts its own tokens), so the
+    oracle is the single-process layer run on each rank's tokens, gradients summed over ranks. Dropped
+    rows stay on their rank (only the kept ones are sent); with --skew half the assignments drop. Gradient
+    errors are relative to the largest entry (the oracle sums the ranks' backward passes in another order)."""
+    for m in (ref, ep_moe):
+        m.config = dataclasses.replace(m.config, capacity_factor=1.0)
+        m.zero_grad()
+    out = ep_moe(xs[rank])
+    out.square().sum().backward()
+    for r in range(world):
+        expected = ref(xs[r])
+        expected.square().sum().backward()
+        if r == rank:
+            errors = {"cap_out": (out - expected).abs().max().item(), "cap_dropped": float(ref.stats.dropped)}
+    for name in ("w1", "w2", "w3"):
+        got = getattr(ep_moe.experts, name).grad.to_local() * world
+        want = getattr(ref.experts, name).grad[rank * e_local : (rank + 1) * e_local]
+        errors[f"cap_{name}"] = ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()  # relative
+    router_grad = ep_moe.router.gate.weight.grad.clone()
+    dist.all_reduce(router_grad)
+    want = ref.router.gate.weight.grad
+    errors["cap_router"] = ((router_grad - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
+    return errors
 
 
 def main() -> None:
@@ -57,6 +84,7 @@ def main() -> None:
     router_grad = ep_moe.router.gate.weight.grad.clone()
     dist.all_reduce(router_grad)
     errors["router"] = (router_grad - ref.router.gate.weight.grad).abs().max().item()
+    errors.update(_capacity_errors(ref, ep_moe, xs, rank, world, e_local))
     gathered = [None] * world
     dist.all_gather_object(gathered, errors)
     if rank == 0:
