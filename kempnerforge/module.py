@@ -508,7 +508,8 @@ class VisionLanguage(CausalLM):
         if pixels is not None:  # for flops_per_token (shapes only: no sync)
             self._visual_positions = (pixels.shape[1] if pixels.dim() == 5 else 1) * self.model.n_visual
         masks = (batch.get(k) for k in ("text_mask", "visual_mask", "frame_mask"))
-        return self.model(batch["input_ids"], pixels, *masks)
+        # real_frames: the collator's host count of real frames (no read-back of frame_mask).
+        return self.model(batch["input_ids"], pixels, *masks, real_frames=batch.get("real_frames"))
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, **masks: Any) -> torch.Tensor:
         """Logits (batch, text, vocab_size) as a plain tensor (see :class:`VisionLanguageModel`); ``masks``:
