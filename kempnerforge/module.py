@@ -358,7 +358,10 @@ class CausalLM(LightningModule):
         self._moe.finish_step(self.model, self._dp_group(), self.config.bias_update_rate)
         every = max(1, self.trainer.log_every_n_steps)
         if self.config.num_experts > 0 and (self.trainer.global_step + 1) % every == 0:
-            for name, value in self._moe.metrics(self.model).items():
+            metrics = self._moe.metrics(self.model)
+            # One read-back for all layers' statistics (the logger would read each value on its own).
+            values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).cpu()
+            for name, value in zip(metrics, values, strict=True):
                 self.log(name, value, rank_zero_only=True)
 
     def on_validation_epoch_start(self) -> None:

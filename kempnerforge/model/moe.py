@@ -33,7 +33,7 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
             try:
                 a = torch.ones(2, 8, device=x.device, dtype=x.dtype)
                 b = torch.ones(2, 8, 8, device=x.device, dtype=x.dtype)
-                torch._grouped_mm(a, b, offs=torch.tensor([1, 2], device=x.device, dtype=torch.int32))
+                torch._grouped_mm(a, b, offs=torch.arange(1, 3, device=x.device, dtype=torch.int32))
             except (RuntimeError, NotImplementedError):
                 ok = False
         _GROUPED_MM_PROBE[key] = ok

@@ -2,7 +2,8 @@
 test_expert_parallel_parity.py under torchrun). Writes ``{"ok": true, ...}`` from rank 0 to ``--out``.
 
 ``--skew`` routes every token of every rank to rank 0's experts, so rank 1's experts get no tokens:
-both all-to-alls must still complete (no deadlock) and rank 1's expert gradients must be zero.
+both all-to-alls must still complete (no deadlock) and rank 1's expert gradients must be zero. The
+forward and backward of the EP layer make exactly one host synchronization (the split sizes).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from kempnerforge.config import ModelConfig
 from kempnerforge.model.moe import MoE
 from kempnerforge.parallel.expert_parallel import apply_ep
+from tests.host_syncs import HostSyncCounter
 
 
 def _capacity_errors(ref, ep_moe, xs, rank: int, world: int, e_local: int) -> dict[str, float]:
@@ -68,8 +70,12 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     apply_ep(ep_moe, mesh)
     assert ep_moe.experts.w1.to_local().shape[0] == cfg.num_experts // world
-    out = ep_moe(xs[rank])
-    out.square().sum().backward()
+    counter = HostSyncCounter()
+    counter.active = True
+    with counter:  # forward and backward of one EP layer: the split sizes, read once (README "Performance")
+        out = ep_moe(xs[rank])
+        out.square().sum().backward()
+    syncs = [(e.op, e.where.split(":")[0]) for e in counter.events]
     expected = ref(torch.cat(xs))
     expected.square().sum().backward()
     errors = {"out": (out - expected[2 * rank : 2 * rank + 2]).abs().max().item()}
@@ -89,7 +95,7 @@ def main() -> None:
     dist.all_gather_object(gathered, errors)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"errors": gathered, "skew": args.skew}, f)
+            json.dump({"errors": gathered, "skew": args.skew, "syncs": syncs}, f)
     dist.destroy_process_group()
 
 

@@ -26,6 +26,7 @@ def test_ep_layer_matches_single_process_with_idle_experts(tmp_path):
         for key, err in errors.items():
             assert err <= (1e-5 if key.endswith("router") else 1e-6), (rank, key, err)
     assert {"w1_idle", "w2_idle", "w3_idle"} <= set(record["errors"][1])  # rank 1's experts got no tokens
+    assert record["syncs"] == [["tolist", "kempnerforge/parallel/ep_dispatch.py"]]  # one per EP layer forward
 
 
 @pytest.fixture(scope="module")
