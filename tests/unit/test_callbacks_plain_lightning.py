@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from kempnerforge.callbacks import CheckpointRetention, NaNGuard, Preemption
+from kempnerforge.callbacks import CheckpointRetention, NaNGuard, Preemption, ProgressBar
 from kempnerforge.resilience.nonfinite import NonFiniteError
 
 
@@ -147,3 +147,48 @@ def test_preemption_rides_on_nan_guard_reduction_every_step(tmp_path, monkeypatc
     trainer, agreed_at = _fit_with_agreements(tmp_path, monkeypatch, _Clock(signal_at=2), NaNGuard(), preemption)
     assert agreed_at == []
     assert trainer.global_step == 3 and preemption.saved_path == tmp_path / "checkpoints" / "step=000003.ckpt"
+
+
+class _LoggedLoss(BoringModel):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train/loss", out["loss"].detach())  # a device tensor, not a prog_bar metric
+        return out
+
+
+def test_progress_bar_reads_metrics_only_at_the_log_interval(tmp_path, monkeypatch):
+    """kempnerforge's ProgressBar in plain Lightning: the bar moves every batch, the metrics (a host
+    read-back) are read at steps 3 and 6 of 7 with log_every_n_steps=3, plus once at the epoch's end."""
+    bar = ProgressBar()
+    reads: list[int] = []
+    real = ProgressBar.get_metrics
+
+    def spy(self, trainer, pl_module):
+        reads.append(trainer.global_step)
+        return real(self, trainer, pl_module)
+
+    monkeypatch.setattr(ProgressBar, "get_metrics", spy)
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=7, log_every_n_steps=3, accelerator="cpu", logger=False,
+                      limit_val_batches=0,
+                      enable_checkpointing=False, enable_model_summary=False, callbacks=[bar])  # fmt: skip
+    trainer.fit(_LoggedLoss())
+    assert reads == [3, 6, 7]
+    assert bar.train_progress_bar.n == 7 and "train/loss" in bar.train_progress_bar.postfix
+    with pytest.raises(ValueError, match="metrics_every_n_steps=0 must be an integer >= 1 or None"):
+        ProgressBar(metrics_every_n_steps=0)
+
+
+def test_kforge_adds_its_progress_bar_unless_one_is_configured():
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from kempnerforge.cli import add_default_progress_bar
+
+    config = {"callbacks": [NaNGuard()]}
+    add_default_progress_bar(config)
+    assert [type(c) for c in config["callbacks"]] == [NaNGuard, ProgressBar]
+    own = {"callbacks": TQDMProgressBar()}
+    add_default_progress_bar(own)
+    assert [type(c) for c in own["callbacks"]] == [TQDMProgressBar]
+    off = {"callbacks": None, "enable_progress_bar": False}
+    add_default_progress_bar(off)
+    assert off["callbacks"] is None
