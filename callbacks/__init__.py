@@ -8,6 +8,7 @@ from kempnerforge.callbacks.memory import MemoryMonitor
 from kempnerforge.callbacks.nan_guard import NaNGuard
 from kempnerforge.callbacks.preemption import Preemption
 from kempnerforge.callbacks.profiler import StepProfiler
+from kempnerforge.callbacks.progress import ProgressBar
 from kempnerforge.callbacks.throughput import MFUMonitor
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "MemoryMonitor",
     "NaNGuard",
     "Preemption",
+    "ProgressBar",
     "StepProfiler",
 ]

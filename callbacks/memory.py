@@ -76,7 +76,9 @@ class MemoryMonitor(Callback):
         if step % every == 0 or trainer.fast_dev_run:
             self.last = memory_stats(device)
             for key, value in self.last.items():
-                pl_module.log(f"memory/{key}_gb", value, on_step=True, on_epoch=False, rank_zero_only=True)
+                # A host tensor: Lightning would copy a Python float to the device (a blocking copy on CUDA).
+                host = torch.tensor(float(value), dtype=torch.float64)
+                pl_module.log(f"memory/{key}_gb", host, on_step=True, on_epoch=False, rank_zero_only=True)
         if step in self.snapshot_steps:
             self.snapshot_dir.mkdir(parents=True, exist_ok=True)
             path = self.snapshot_dir / f"snapshot_step{step}_rank{trainer.global_rank}.pickle"

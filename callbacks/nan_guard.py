@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from kempnerforge.checkpoint.retention import protect
 from kempnerforge.resilience.auto_resume import checkpoint_dir, find_resume_checkpoint
 from kempnerforge.resilience.nonfinite import NonFiniteError, nonfinite_flag, restore_in_place
-from kempnerforge.resilience.signals import agree_any
+from kempnerforge.resilience.signals import StepFlagSource, agree_max
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,11 @@ class NaNGuard(Callback):
 
     The optimizer's ``step`` is wrapped: Lightning runs the step's closure (forward, backward,
     ``on_before_optimizer_step``) inside it, so the wrapper sees the loss and the final gradients,
-    reduces a one-element flag across all ranks (MAX; one 4-byte readback per step, the only host
-    sync), and only then lets the update happen. A flagged step is never applied on any rank.
+    reduces a flag across all ranks (MAX), reads it back on the host (the one host synchronization
+    of a training step with NaNGuard: the host must know before it launches the update) and only then
+    lets the update happen. A flagged step is never applied on any rank. Flags of other callbacks
+    (:class:`~kempnerforge.resilience.signals.StepFlagSource`, e.g. :class:`~kempnerforge.callbacks.Preemption`)
+    ride in the same reduction, so they cost no extra synchronization and are agreed every step.
 
     Actions:
         ``raise``: :class:`NonFiniteError` naming the step (``trainer.global_step``, 0-based) on every rank.
@@ -61,9 +65,12 @@ class NaNGuard(Callback):
         self.dirpath = dirpath
         self.skipped_steps: list[int] = []
         self.rollbacks = 0
+        self._riders: list[StepFlagSource] = []
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Wrap each optimizer's ``step`` (idempotent)."""
+        """Wrap each optimizer's ``step`` (idempotent) and find the callbacks whose flags ride along."""
+        self._riders = [cb for cb in trainer.callbacks if isinstance(cb, StepFlagSource) and cb is not self]
         for optimizer in trainer.optimizers:
             if not getattr(optimizer.step, "_nan_guarded", False):
                 optimizer.step = self._wrap(trainer, pl_module, optimizer.step)
@@ -73,7 +80,12 @@ class NaNGuard(Callback):
         def guarded_step(closure: Any = None, **kwargs: Any) -> Any:
             loss = closure() if closure is not None else None
             params = pl_module.parameters() if self.check_grads else None
-            if agree_any(nonfinite_flag(loss, params), device=pl_module.device):
+            flags = [nonfinite_flag(loss, params), *(r.local_step_flag() for r in self._riders)]
+            # The step's host sync: every rank's flags in one all-reduce, read back once.
+            agreed = [v > 0 for v in agree_max(flags, device=pl_module.device)]
+            for rider, value in zip(self._riders, agreed[1:], strict=True):
+                rider.receive_agreed_flag(value)
+            if agreed[0]:
                 self._on_nonfinite(trainer)
                 return loss
             step(**kwargs)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
 
 from kempnerforge.resilience.auto_resume import checkpoint_dir
 from kempnerforge.resilience.requeue import requeue_slurm_job
-from kempnerforge.resilience.signals import SignalFlag, agree_any
+from kempnerforge.resilience.signals import SignalFlag, agree_max
 from kempnerforge.resilience.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -22,9 +24,15 @@ class Preemption(Callback):
     """Checkpoint-and-exit on SIGTERM / SIGUSR1 (configurable), with optional SLURM requeue.
 
     The handlers (installed at ``on_train_start``, replacing Lightning's, which save or broadcast
-    inside the handler and can deadlock sharded saves) only set a flag. After every training batch
+    inside the handler and can deadlock sharded saves) only set a flag. At optimizer-step boundaries
     the flag is all-reduced (MAX) across ranks, so a signal that reached one rank stops all of them
-    at the same step; every rank then joins one ``trainer.save_checkpoint`` into the checkpoint
+    at the same step. Reading the agreed flag is a host synchronization, so it is not done every step:
+    with a :class:`~kempnerforge.callbacks.NaNGuard` the flag rides on its per-step reduction (no
+    extra sync, checked every step); alone, ranks agree about every ``check_every_s`` seconds: each
+    agreement also takes the slowest rank's mean step time since the last one, and the next agreement
+    comes ``max(1, floor(check_every_s / step_time))`` steps later, the same step on every rank. A
+    signal therefore starts the save within ``check_every_s`` plus one step.
+    Every rank then joins one ``trainer.save_checkpoint`` into the checkpoint
     folder, rank 0 runs ``scontrol requeue`` when ``requeue`` is set, and ``trainer.should_stop``
     ends ``fit`` normally (exit status 0). A :class:`~kempnerforge.resilience.watchdog.Watchdog`
     ends the process if this shutdown stalls. The next ``kforge fit`` with the same config resumes
@@ -38,9 +46,12 @@ class Preemption(Callback):
         requeue: on rank 0, run ``scontrol requeue $SLURM_JOB_ID`` after the save.
         dirpath: checkpoint folder (None: the ``ModelCheckpoint``'s, else ``<default_root_dir>/checkpoints``).
         watchdog_s: seconds the save + shutdown may take before the process exits hard (status 1).
+        check_every_s: seconds of training between two agreements on the flag when no NaNGuard carries
+            it (0: every optimizer step). Keep it plus the save well inside the scheduler's grace time
+            (the sbatch templates ask SLURM for SIGTERM 120 s before the end).
 
     Raises:
-        ValueError: an unknown signal name, or ``watchdog_s`` <= 0.
+        ValueError: an unknown signal name, ``watchdog_s`` <= 0 or ``check_every_s`` < 0.
     """
 
     def __init__(
@@ -49,28 +60,66 @@ class Preemption(Callback):
         requeue: bool = False,
         dirpath: str | None = None,
         watchdog_s: float = 600.0,
+        check_every_s: float = 10.0,
     ) -> None:
         self.flag = SignalFlag(signals)
         if not watchdog_s > 0:
             raise ValueError(f"Preemption watchdog_s={watchdog_s!r} must be > 0 seconds.")
+        if not check_every_s >= 0:
+            raise ValueError(f"Preemption check_every_s={check_every_s!r} must be >= 0 seconds (0: every step).")
+        self.check_every_s = float(check_every_s)
         self.requeue = requeue
         self.dirpath = dirpath
         self.watchdog_s = watchdog_s
         self.saved_path: Path | None = None
         self._watchdog: Watchdog | None = None
         self._seen_step = -1
+        self._carried: bool | None = None  # the flag agreed by a carrier's reduction at this step
+        self._next_check = 0  # global step of the next own agreement
+        self._last_check = (0.0, 0)  # (monotonic time, global step) of the last own agreement
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Install the flag-only handlers (Lightning registered its own just before this hook)."""
         self._seen_step = trainer.global_step
+        self._next_check = trainer.global_step + 1  # the first agreement also measures the step time
+        self._last_check = (time.monotonic(), trainer.global_step)
+        self._carried = None
         self.flag.install()
 
+    def local_step_flag(self) -> bool:
+        """:class:`~kempnerforge.resilience.signals.StepFlagSource`: whether this rank got a signal."""
+        return self.flag.received is not None
+
+    def receive_agreed_flag(self, value: bool) -> None:
+        """:class:`~kempnerforge.resilience.signals.StepFlagSource`: the flag agreed at this optimizer step."""
+        self._carried = value
+
+    def _agree(self, trainer: Trainer, pl_module: LightningModule) -> bool | None:
+        """The agreed flag at this step boundary, or None when this is not a step to agree at."""
+        if self._carried is not None:
+            carried, self._carried = self._carried, None
+            return carried
+        step = trainer.global_step
+        if step < self._next_check:
+            return None
+        now = time.monotonic()
+        step_s = (now - self._last_check[0]) / max(1, step - self._last_check[1])
+        # Host sync: the agreed flag and the slowest rank's step time, read together once per interval.
+        flag, slowest = agree_max([self.local_step_flag(), step_s], device=pl_module.device)
+        self._last_check = (now, step)
+        every = 1 if self.check_every_s == 0 else max(1, int(self.check_every_s / max(slowest, 1e-9)))
+        self._next_check = step + every
+        return flag > 0
+
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        """At an optimizer-step boundary: agree on the flag; if any rank was signalled, save on all ranks and stop."""
+        """At an optimizer-step boundary that agrees on the flag: if any rank was signalled, save on all
+        ranks and stop."""
         if trainer.global_step == self._seen_step:
             return  # a gradient-accumulation micro-batch: saving here would lose the partial gradients
         self._seen_step = trainer.global_step
-        if not agree_any(self.flag.received is not None, device=pl_module.device):
+        if not self._agree(trainer, pl_module):
             return
         self._watchdog = Watchdog(self.watchdog_s)
         self._watchdog.start()
@@ -96,6 +145,7 @@ class Preemption(Callback):
             return folder / name.name
         return folder / f"step={trainer.global_step:06d}.ckpt"
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Restore the previous handlers and disarm the watchdog (the shutdown finished)."""
         self.flag.restore()

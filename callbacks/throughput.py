@@ -135,4 +135,6 @@ class MFUMonitor(Callback):
         for key, value in self.last.items():
             # tokens/s and MFU next to the loss in the progress bar; the per-device rate in the logs only
             bar = key in ("tokens_per_s", "mfu", "mfu_fp8")
-            pl_module.log(f"train/{key}", value, on_step=True, on_epoch=False, prog_bar=bar, rank_zero_only=True)
+            # A host tensor: Lightning would copy a Python float to the device (a blocking copy on CUDA).
+            host = torch.tensor(float(value), dtype=torch.float64)
+            pl_module.log(f"train/{key}", host, on_step=True, on_epoch=False, prog_bar=bar, rank_zero_only=True)

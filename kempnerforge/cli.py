@@ -16,10 +16,11 @@ from typing import Any
 import jsonargparse
 import yaml
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks.progress import ProgressBar as ProgressBarBase
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from kempnerforge.callbacks import Preemption
+from kempnerforge.callbacks import Preemption, ProgressBar
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
 from kempnerforge.parallel.grad_clip import check_lightning_clipping
@@ -146,6 +147,13 @@ class KForgeCLI(LightningCLI):
             print(f"kforge: error: {'; '.join(reasons)}", file=sys.stderr)
             raise SystemExit(2) from err
 
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """Lightning's trainer, with :class:`~kempnerforge.callbacks.ProgressBar` as the progress bar
+        unless the configuration names one or disables it (:func:`add_default_progress_bar`)."""
+        config = self.config_init.get(self.subcommand, self.config_init) if self.subcommand else self.config_init
+        add_default_progress_bar(config.get("trainer"))
+        return super().instantiate_trainer(**kwargs)
+
     def before_fit(self) -> None:
         """Resolve ``--ckpt_path auto`` (the ``fit`` default), then keep the W&B run id of the run being
         resumed (:func:`keep_wandb_run_id`), before ``Trainer.fit`` runs."""
@@ -184,6 +192,19 @@ def _is_kempner_strategy(class_path: str) -> bool:
     except (ImportError, AttributeError):
         return False  # jsonargparse reports a class it cannot import itself
     return isinstance(cls, type) and issubclass(cls, KempnerStrategy)
+
+
+def add_default_progress_bar(trainer_config: Any) -> None:
+    """Append :class:`~kempnerforge.callbacks.ProgressBar` to ``trainer_config["callbacks"]`` (instantiated
+    callbacks) when ``enable_progress_bar`` is not false and no progress bar is configured: Lightning's
+    default bars read their metrics from the device at every refresh (a host sync per step)."""
+    if trainer_config is None or trainer_config.get("enable_progress_bar") is False:
+        return
+    callbacks = trainer_config.get("callbacks")
+    callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
+    if not any(isinstance(cb, ProgressBarBase) for cb in callbacks):
+        callbacks.append(ProgressBar())
+    trainer_config["callbacks"] = callbacks
 
 
 def component_errors(report: str) -> list[str]:

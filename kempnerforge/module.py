@@ -203,8 +203,8 @@ class CausalLM(LightningModule):
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """One micro-batch: summed token cross-entropy (normalized per optimizer step in
-        :meth:`on_before_optimizer_step`); logs lr and tokens seen (tokens/s and MFU: the
+        """One micro-batch: token cross-entropy normalized by the optimizer step's global target-token
+        count (:meth:`_record_step`); logs lr and tokens seen (tokens/s and MFU: the
         :class:`~kempnerforge.callbacks.MFUMonitor` callback)."""
         labels, w = batch["labels"], self.z_loss_weight
         if self.loss_chunk_size:
@@ -220,8 +220,8 @@ class CausalLM(LightningModule):
         logits = self._logits(batch)
         # Vocab-sharded logits (TP with loss parallel): the backward must also run under loss_parallel().
         self._loss_parallel_backward = isinstance(logits, DTensor)
-        # Un-normalized: on_before_optimizer_step divides the step's gradients by its global target-token
-        # count (all micro-batches, all dp ranks) and logs train/loss.
+        # Summed over tokens: _record_step normalizes by the step's global target-token count (all
+        # micro-batches, all dp ranks); on_before_optimizer_step logs train/loss.
         loss_sum, n_targets = token_cross_entropy_sum(logits, labels)
         z_sum = z_loss_sum(logits, labels) if w else None
         return self._record_step(batch, batch_idx, loss_sum, n_targets, z_sum)
@@ -240,31 +240,42 @@ class CausalLM(LightningModule):
         z_sum: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Register one micro-batch's CE sum (``train/loss`` logs it) and return what to backpropagate:
-        CE plus the weighted z-loss and MoE aux losses, all on the same global-token normalization."""
-        new_step = batch_idx % self.trainer.accumulate_grad_batches == 0
-        loss = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step)
+        CE plus the weighted z-loss and MoE aux losses, all on the same global-token normalization
+        (:class:`~kempnerforge.training.loss.StepTokenNormalizer`: divided by the step's global target
+        count here without accumulation, by :meth:`optimizer_step` after the last backward with it)."""
+        accumulate = self.trainer.accumulate_grad_batches
+        new_step = batch_idx % accumulate == 0
+        objective = loss_sum
         if self.z_loss_weight and z_sum is not None:
-            loss = loss + self.z_loss_weight * z_sum * self._dp_size()
+            objective = objective + self.z_loss_weight * z_sum
             self.log("train/z_loss", z_sum.detach() / n_targets.clamp(min=1), rank_zero_only=True)
-        loss = self._add_moe_aux_loss(loss, n_targets, new_step)
+        objective = self._add_moe_aux_loss(objective, n_targets, new_step)
+        factor = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step, accumulate, self._dp_group())
         tokens = batch["input_ids"].numel() * self._dp_size()
         self.tokens_seen += tokens
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], rank_zero_only=True)
-        self.log("train/tokens_seen", float(self.tokens_seen), rank_zero_only=True)
-        return loss
+        self._log_host_scalars()
+        return objective * factor
+
+    def _log_host_scalars(self) -> None:
+        # Host tensors: Lightning turns a Python number into a tensor on the module's device, a blocking
+        # host-to-device copy (a stream synchronization on CUDA) per value per step.
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.log("train/lr", torch.tensor(float(lr), dtype=torch.float64), rank_zero_only=True)
+        self.log("train/tokens_seen", torch.tensor(float(self.tokens_seen), dtype=torch.float64), rank_zero_only=True)
 
     def _add_moe_aux_loss(self, loss: torch.Tensor, n_targets: torch.Tensor, new_step: bool) -> torch.Tensor:
         """Add the MoE layers' weighted auxiliary losses (dense model: ``loss`` unchanged).
 
-        ``loss`` is later multiplied by ``accumulate / N_global`` through the gradients and averaged
-        over dp ranks, so the aux loss enters as ``aux * n_targets * dp_size``: the step optimizes the
-        target-token-weighted mean of the micro-batches' aux losses. Logged as ``train/moe_aux_loss``.
+        ``loss`` is a sum over target tokens that is later divided by the step's global target count
+        (and averaged over dp ranks by FSDP2 with the ``dp_size`` factor), so the aux loss enters as
+        ``aux * n_targets``: the step optimizes the target-token-weighted mean of the micro-batches'
+        aux losses. Logged as ``train/moe_aux_loss``.
         """
         aux = self._moe.collect(self.model, new_step)
         if aux is None:
             return loss
         self.log("train/moe_aux_loss", aux.detach(), rank_zero_only=True)
-        return loss + aux * n_targets.to(aux.dtype) * self._dp_size()
+        return loss + aux * n_targets.to(aux.dtype)
 
     def _dp_size(self) -> int:
         group = self._dp_group()
@@ -342,15 +353,39 @@ class CausalLM(LightningModule):
         scheduler = build_scheduler(optimizer, self.scheduler_config, int(total), lr_scale)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    @override
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        """Lightning's optimizer step, with the step's gradients normalized by its global target-token
+        count right after the closure's last backward, so every callback's ``on_before_optimizer_step``
+        (which Lightning runs before the module's) sees the gradients of the logged ``train/loss``."""
+        if optimizer_closure is None:
+            optimizer.step()
+            return
+
+        def closure() -> Any:
+            out = optimizer_closure()
+            self._finish_step_gradients()
+            return out
+
+        optimizer.step(closure=closure)
+
+    def _finish_step_gradients(self) -> None:
+        # With gradient accumulation, the one pass that divides the accumulated gradients by the step's
+        # global target-token count; without it a no-op (the loss was normalized before backward).
+        self._step_tokens.finish_gradients(
+            self.model.parameters(), self._dp_group(), self.trainer.accumulate_grad_batches
+        )
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the step's gradients by its global target-token count and log the step loss
-        (``train/loss``, mean per target token of the global batch), then clip to ``grad_clip`` by the
-        true global norm (DTensor-aware) and log that norm."""
-        global_loss, _, scale = self._step_tokens.finish(self._dp_group(), self.trainer.accumulate_grad_batches)
-        self.log("train/loss", global_loss, prog_bar=True, rank_zero_only=True)
-        # The token normalization rides on the clipping multiply: one pass over the gradients.
+        """Log the step loss (``train/loss``, mean per target token of the global batch), then clip to
+        ``grad_clip`` by the true global norm (DTensor-aware) and log that norm (before clipping)."""
+        self._finish_step_gradients()  # already done by optimizer_step unless a subclass replaced it
+        global_loss, _ = self._step_tokens.step_loss()
+        # Not prog_bar: Lightning converts prog_bar metrics to numbers after every batch (a host sync);
+        # kempnerforge.callbacks.ProgressBar shows train/loss at the logging interval instead.
+        self.log("train/loss", global_loss, rank_zero_only=True)
         pp_group = getattr(self.trainer.strategy, "pp_group", None)  # pipeline stages: norm over all of them
-        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, grad_scale=scale, pp_group=pp_group)
+        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=pp_group)
         self.log("train/grad_norm", norm, rank_zero_only=True)
         self._moe_step()
 
@@ -360,7 +395,10 @@ class CausalLM(LightningModule):
         self._moe.finish_step(self.model, self._dp_group(), self.config.bias_update_rate)
         every = max(1, self.trainer.log_every_n_steps)
         if self.config.num_experts > 0 and (self.trainer.global_step + 1) % every == 0:
-            for name, value in self._moe.metrics(self.model).items():
+            metrics = self._moe.metrics(self.model)
+            # One read-back for all layers' statistics (the logger would read each value on its own).
+            values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).cpu()
+            for name, value in zip(metrics, values, strict=True):
                 self.log(name, value, rank_zero_only=True)
 
     def on_validation_epoch_start(self) -> None:
@@ -510,7 +548,8 @@ class VisionLanguage(CausalLM):
         if pixels is not None:  # for flops_per_token (shapes only: no sync)
             self._visual_positions = (pixels.shape[1] if pixels.dim() == 5 else 1) * self.model.n_visual
         masks = (batch.get(k) for k in ("text_mask", "visual_mask", "frame_mask"))
-        return self.model(batch["input_ids"], pixels, *masks)
+        # real_frames: the collator's host count of real frames (no read-back of frame_mask).
+        return self.model(batch["input_ids"], pixels, *masks, real_frames=batch.get("real_frames"))
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, **masks: Any) -> torch.Tensor:
         """Logits (batch, text, vocab_size) as a plain tensor (see :class:`VisionLanguageModel`); ``masks``:

@@ -271,13 +271,15 @@ class VideoTextCollator(ImageTextCollator):
 
     Returns dict: ``input_ids``, ``labels`` (batch, text) int64; ``text_mask`` (batch, text) bool;
     ``pixel_values`` (batch, F_max, 3, H, W) fp32, zero at padded frames; ``frame_mask``
-    (batch, F_max) bool, True at real frames (a prefix of each row); ``skipped_clips`` 0-dim int64,
+    (batch, F_max) bool, True at real frames (a prefix of each row); ``real_frames`` int, their
+    number (a Python int, so the model knows the layout without reading the mask back from the
+    device); ``skipped_clips`` 0-dim int64,
     the bad clips skipped while building this batch; ``clip_index`` (batch,) int64, the records used.
 
     Args and raises: as :class:`ImageTextCollator`.
     """
 
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.text_batch([s["caption"] for s in samples])
         counts = [len(s["frames"]) for s in samples]
         flat = [frame for s in samples for frame in s["frames"]]
@@ -291,6 +293,7 @@ class VideoTextCollator(ImageTextCollator):
             **batch,
             "pixel_values": pixel_values,
             "frame_mask": frame_mask,
+            "real_frames": sum(counts),
             "skipped_clips": torch.tensor(sum(len(s["skipped"]) for s in samples), dtype=torch.long),
             "clip_index": torch.tensor([s["index"] for s in samples], dtype=torch.long),
         }

@@ -1,7 +1,19 @@
-"""Causal grouped-query self-attention (GQA, Ainslie et al., arXiv:2305.13245) with RoPE.
+"""Causal grouped-query self-attention (GQA, Ainslie et al., arXiv:2305.13245) with RoPE, and its masks.
 
 As in Llama 3 (arXiv:2407.21783): bias-free q/k/v/o projections, rotary embeddings on q and k,
 ``n_kv_heads`` key/value heads each shared by ``n_heads / n_kv_heads`` query heads.
+
+Which kernel runs (:func:`attend`) follows from the mask, built once per forward for all layers:
+
+- None: ``scaled_dot_product_attention(is_causal=True)`` (flash / memory-efficient on CUDA). Unpacked
+  text and right-padded batches take it (:func:`padding_attention_mask`).
+- a FlexAttention ``BlockMask`` (``torch.nn.attention.flex_attention``, CUDA): packed documents
+  (:func:`document_attention_mask`) and padding inside a sequence; the block mask holds only which
+  (128 x 128) blocks are full, partial or empty, never a ``(seq, seq)`` matrix, and the compiled kernel
+  skips the empty blocks.
+- a bool ``(batch, 1, seq, seq)`` tensor: the same masks materialized (:func:`document_causal_mask`,
+  :func:`causal_key_mask`) on devices without FlexAttention's backward (CPU); they are also the
+  oracle the FlexAttention path is tested against.
 """
 
 from __future__ import annotations
@@ -9,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.norm import RMSNorm
@@ -51,21 +64,17 @@ class Attention(nn.Module):
         """Causal self-attention over ``x`` (batch, seq, dim) at positions 0..seq-1.
 
         ``key_mask`` (batch, seq) bool, True at real positions, hides padded keys from every query
-        (:func:`causal_key_mask`); a (batch, 1, seq, seq) bool mask is used as given (True = may
-        attend; e.g. :func:`document_causal_mask` for packed documents); None is plain causal
-        attention (the fast ``is_causal`` kernel).
+        (:func:`causal_key_mask`); a (batch, 1, seq, seq) bool mask or a FlexAttention ``BlockMask``
+        is used as given (see :func:`attend`; e.g. :func:`document_attention_mask` for packed
+        documents); None is plain causal attention (the fast ``is_causal`` kernel).
         """
         bsz, seq, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # SDPA wants (batch, heads, seq, head_dim); enable_gqa broadcasts KV heads without a copy.
+        # (batch, heads, seq, head_dim) for the kernels; GQA broadcasts KV heads without a copy.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        gqa = q.shape[1] != k.shape[1]
-        if key_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            mask = key_mask if key_mask.dim() == 4 else causal_key_mask(key_mask)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        mask = causal_key_mask(key_mask) if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 2 else key_mask
+        out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,6 +114,98 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+#: ``torch.compile`` d ``flex_attention`` (its eager form is a slow reference path), made on first use.
+_FLEX: list = []
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+) -> torch.Tensor:
+    """Causal attention with the kernel the mask calls for (see the module docstring).
+
+    Args:
+        q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim), ``heads % kv_heads == 0``
+            (grouped-query attention broadcasts the KV heads without copying them).
+        mask: None (causal, ``is_causal`` kernel), a FlexAttention ``BlockMask`` (its ``mask_mod`` already
+            holds causality), or a bool SDPA mask broadcastable to (batch, heads, seq, seq), True = may attend.
+
+    Returns:
+        (batch, heads, seq, head_dim).
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if isinstance(mask, BlockMask):
+        if not _FLEX:
+            _FLEX.append(torch.compile(flex_attention, dynamic=False))
+        return _FLEX[0](q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def flex_attention_supported(device: torch.device) -> bool:
+    """Whether masks for ``device`` are FlexAttention block masks: CUDA only (torch 2.13 has no
+    FlexAttention backward on CPU, so CPU training keeps the dense masks)."""
+    return device.type == "cuda"
+
+
+def document_attention_mask(doc_ids: torch.Tensor, flex: bool | None = None) -> torch.Tensor | BlockMask:
+    """The mask for packed documents (:func:`document_causal_mask`'s rule) in the form :func:`attend` runs
+    fastest: a FlexAttention ``BlockMask`` on CUDA (nothing ``(seq, seq)`` is materialized), the dense
+    bool mask elsewhere.
+
+    Args:
+        doc_ids: (batch, seq) int, non-decreasing document index per position.
+        flex: force the block mask (True) or the dense mask (False); None: :func:`flex_attention_supported`.
+
+    Raises:
+        ValueError: ``doc_ids`` is not 2-D.
+    """
+    if doc_ids.dim() != 2:
+        raise ValueError(f"doc_ids must be (batch, seq), got shape {tuple(doc_ids.shape)}")
+    if not (flex_attention_supported(doc_ids.device) if flex is None else flex):
+        return document_causal_mask(doc_ids)
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+
+    return _block_mask(same_document_causal, doc_ids)
+
+
+def padding_attention_mask(
+    key_mask: torch.Tensor | None, right_padded: bool, flex: bool | None = None
+) -> torch.Tensor | BlockMask | None:
+    """The causal self-attention mask of a padded batch, decided on the host (no device read-back).
+
+    With right padding (every padded position after every real one, e.g. text padded at its end,
+    or ``[visual; text]`` with all visual tokens real) the answer is None, the ``is_causal`` kernel: a
+    query at a real position i sees keys j <= i, which are all real, so its output equals the masked
+    one exactly; a padded query sees earlier padding, a finite value that reaches no real position
+    and whose label is ignored. Padding inside the sequence (padded video frames before the text)
+    needs the mask: a FlexAttention ``BlockMask`` on CUDA, :func:`causal_key_mask` elsewhere.
+
+    Args:
+        key_mask: (batch, seq) bool, True at real positions, or None (nothing padded).
+        right_padded: the caller knows the padding is all at the end of each row.
+        flex: as in :func:`document_attention_mask`.
+    """
+    if key_mask is None or right_padded:
+        return None
+    if not (flex_attention_supported(key_mask.device) if flex is None else flex):
+        return causal_key_mask(key_mask)
+
+    def causal_real_keys(b, h, q, kv):
+        return ((q >= kv) & key_mask[b, kv]) | (q == kv)  # every query sees itself (see causal_key_mask)
+
+    return _block_mask(causal_real_keys, key_mask)
+
+
+def _block_mask(mask_mod, like: torch.Tensor) -> BlockMask:
+    bsz, seq = like.shape
+    # _compile builds the block structure chunk by chunk instead of evaluating a (batch, seq, seq) grid.
+    compile_mask = like.device.type == "cuda"
+    return create_block_mask(mask_mod, bsz, None, seq, seq, device=like.device, _compile=compile_mask)
 
 
 def causal_key_mask(key_mask: torch.Tensor) -> torch.Tensor:

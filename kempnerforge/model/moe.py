@@ -33,7 +33,7 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
             try:
                 a = torch.ones(2, 8, device=x.device, dtype=x.dtype)
                 b = torch.ones(2, 8, 8, device=x.device, dtype=x.dtype)
-                _GROUPED_MM(a, b, offs=torch.tensor([1, 2], device=x.device, dtype=torch.int32))
+                _GROUPED_MM(a, b, offs=torch.arange(1, 3, device=x.device, dtype=torch.int32))
             except (RuntimeError, NotImplementedError):
                 ok = False
         _GROUPED_MM_PROBE[key] = ok
@@ -56,7 +56,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_group
     Args:
         x: (rows, in) rows sorted by expert.
         w: (num_experts, out, in) packed expert weights (nn.Linear layout per expert).
-        counts: (num_experts,) int64 rows per expert, summing to ``rows``.
+        counts: (num_experts,) int64 rows per expert, summing to at most ``rows``; rows after the last
+            group belong to no expert: their output rows are unspecified (zeros on the loop path) and
+            the caller masks them.
         use_grouped: allow the grouped kernel (False forces the loop, e.g. for tests).
 
     Returns:
@@ -69,8 +71,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_group
             # The CPU backward rejects expanded (stride-0) output grads, e.g. from a plain .sum().
             out.register_hook(lambda g: g.contiguous())
         return out
-    chunks = x.split(counts.tolist())
-    return torch.cat([chunk @ w[e].T for e, chunk in enumerate(chunks)], dim=0)
+    sizes = counts.tolist()  # the loop needs host sizes (a host sync; the grouped kernel does not)
+    rest = x.shape[0] - sum(sizes)  # rows after the last group (dropped assignments): zeros
+    chunks = x.split([*sizes, rest])
+    return torch.cat([chunk @ w[e].T for e, chunk in enumerate(chunks[:-1])] + [x.new_zeros(rest, w.shape[1])], dim=0)
 
 
 class GroupedExperts(nn.Module):
@@ -194,14 +198,23 @@ class MoE(nn.Module):
         counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         # Stable sort: assignments grouped by expert, in token order inside each group.
         order = torch.argsort(flat_experts, stable=True)
-        kept_counts, dropped = counts, torch.zeros((), device=x.device)
+        kept_counts, dropped, keep = counts, torch.zeros((), device=x.device), None
         if self.config.capacity_factor > 0:
-            order, kept_counts = self._apply_capacity(order, flat_experts, counts)
+            order, kept_counts, keep = self._apply_capacity(order, flat_experts, counts)
             dropped = (counts - kept_counts).sum().float()
         token_idx = order // self.config.top_k
-        routed = self.experts(tokens[token_idx], kept_counts)
-        gate_w = route.weights.reshape(-1)[order].to(routed.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token_idx, routed * gate_w[:, None])
+        gate_w = route.weights.reshape(-1)[order].to(tokens.dtype)
+        if keep is None:
+            routed = self.experts(tokens[token_idx], kept_counts)
+        else:
+            # Fixed shapes, no host sync: every assignment keeps its row; dropped ones sit after the kept
+            # rows (beyond the experts' groups, so no expert computes them), read a zero row appended to
+            # the tokens (whatever the grouped GEMM leaves in their output rows, and in their gradients,
+            # never reaches a real token) and are masked out of the combine.
+            padded = torch.cat([tokens, tokens.new_zeros(1, dim)])
+            routed = self.experts(padded[torch.where(keep, token_idx, tokens.shape[0])], kept_counts)
+            routed = torch.where(keep[:, None], routed, 0)
+        out = torch.zeros_like(tokens).index_add_(0, token_idx, routed * gate_w[:, None].to(routed.dtype))
         if len(self.shared_experts):
             shared = sum(expert(tokens) for expert in self.shared_experts.values())
             if self.shared_gate is not None:
@@ -220,14 +233,23 @@ class MoE(nn.Module):
 
     def _apply_capacity(
         self, order: torch.Tensor, flat_experts: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the first ``capacity`` assignments of each expert (``order`` is grouped by expert)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keep the first ``capacity`` assignments of each expert (``order`` is grouped by expert).
+
+        Returns:
+            ``(order, kept_counts, keep)``: all assignments, the kept ones grouped by expert (in token
+            order) followed by the dropped ones; the kept rows per expert; and the (assignments,) bool
+            mask of the kept ones in that order. Shapes do not depend on the data (no host sync).
+        """
         cfg = self.config
         capacity = math.ceil(cfg.capacity_factor * flat_experts.numel() / cfg.num_experts)
         starts = torch.cumsum(counts, 0) - counts
         sorted_experts = flat_experts[order]
         position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
-        return order[position < capacity], counts.clamp(max=capacity)
+        keep = position < capacity
+        # Stable: kept rows stay grouped by expert in token order; the dropped ones move to the end.
+        last = torch.argsort(torch.where(keep, sorted_experts, cfg.num_experts), stable=True)
+        return order[last], counts.clamp(max=capacity), keep[last]
 
     def _record(self, route, counts: torch.Tensor, dropped: torch.Tensor, batch: int) -> None:
         cfg = self.config

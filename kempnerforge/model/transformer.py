@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.attention import Attention, document_causal_mask
+from kempnerforge.model.attention import Attention, document_attention_mask
 from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.init import canonical_fqn
 from kempnerforge.model.mlp import FeedForward
@@ -118,7 +118,7 @@ class Transformer(nn.Module):
         ``forward`` so FSDP2 still holds the all-gathered head weight.
 
         ``doc_ids`` (batch, seq) int marks packed documents (:mod:`kempnerforge.data.packing`): no token
-        attends across a document boundary (:func:`~kempnerforge.model.attention.document_causal_mask`);
+        attends across a document boundary (:func:`~kempnerforge.model.attention.document_attention_mask`);
         positions (RoPE) stay those of the window, as in torchtitan and Megatron-LM.
 
         Raises:
@@ -129,8 +129,9 @@ class Transformer(nn.Module):
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}")
         rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # stays fp32 through bf16 blocks
-        # Packed documents: one (batch, 1, seq, seq) mask for every layer; None keeps the is_causal kernel.
-        mask = None if doc_ids is None else document_causal_mask(doc_ids)
+        # Packed documents: one mask for every layer (a FlexAttention block mask on CUDA, the dense
+        # (batch, 1, seq, seq) mask on CPU); None keeps the is_causal kernel.
+        mask = None if doc_ids is None else document_attention_mask(doc_ids)
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, mask)

@@ -32,7 +32,8 @@ def dispatch_combine(
 
     Args:
         x: (rows, dim) this rank's assignments, sorted by global expert id.
-        counts: (num_experts,) int64 rows per global expert (sum = rows).
+        counts: (num_experts,) int64 rows per global expert, summing to at most ``rows``; the rows
+            after them (capacity-dropped assignments) are not sent and come back as zeros.
         group: the expert-parallel process group (size ``ep``).
         ep: expert-parallel degree; ``num_experts % ep == 0``.
         local_fn: ``(rows_local, dim), (E_local,) counts -> (rows_local, dim)``: the local experts on
@@ -45,18 +46,24 @@ def dispatch_combine(
     # How many rows every source rank sends to each of my local experts: (ep * E_local,) laid out (src, e).
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
-    send_splits = counts.view(ep, e_local).sum(1).tolist()
     recv_by_src = recv_counts.view(ep, e_local)
-    recv_splits = recv_by_src.sum(1).tolist()
-    received = all_to_all_single_autograd(x, recv_splits, send_splits, group)
+    # The host sync EP needs by nature: all_to_all takes its split sizes as host integers. Sent and
+    # received sizes are read in one copy (one sync per MoE layer forward, and per recomputation).
+    splits = torch.cat([counts.view(ep, e_local).sum(1), recv_by_src.sum(1)]).tolist()
+    send_splits, recv_splits = splits[:ep], splits[ep:]
+    rows, kept = x.shape[0], sum(send_splits)  # rows after the counted ones (capacity-dropped) stay home
+    received = all_to_all_single_autograd(x[:kept], recv_splits, send_splits, group)
     # Received rows are blocks (src, local expert); the grouped GEMM wants them grouped by local expert.
     block_sizes = recv_by_src.flatten()
-    block_id = torch.repeat_interleave(torch.arange(block_sizes.numel(), device=x.device), block_sizes)
+    block_id = torch.repeat_interleave(
+        torch.arange(block_sizes.numel(), device=x.device), block_sizes, output_size=sum(recv_splits)
+    )
     expert_of_row = block_id % e_local
     perm = torch.argsort(expert_of_row * ep + block_id // e_local, stable=True)
     out_local = local_fn(received[perm], recv_by_src.sum(0))
     back = torch.empty_like(out_local).index_copy(0, perm, out_local)
-    return all_to_all_single_autograd(back, send_splits, recv_splits, group)
+    out = all_to_all_single_autograd(back, send_splits, recv_splits, group)
+    return out if kept == rows else torch.cat([out, out.new_zeros(rows - kept, out.shape[1])])
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -77,23 +77,46 @@ def total_grad_norm(
     return total.sqrt()
 
 
+def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    # A foreach op cannot mix DTensors of different meshes (e.g. TP+FSDP2 2-D weights next to
+    # FSDP2-only 1-D norm weights): one list per mesh.
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    return list(by_mesh.values())
+
+
+@torch.no_grad()
+def scale_grads_(parameters: Iterable[torch.Tensor], factor: torch.Tensor | float) -> None:
+    """Multiply every ``.grad`` in place by ``factor`` (one ``_foreach_mul_`` per mesh; None grads skipped).
+
+    Args:
+        parameters: parameters with plain or DTensor ``.grad``.
+        factor: a Python number or a scalar tensor; a tensor stays on its device (no host read-back),
+            moved to each gradient's device and dtype.
+    """
+    for grads in _grads_by_mesh([p for p in parameters if p.grad is not None]):
+        f = factor.to(grads[0].device, torch.float32) if isinstance(factor, torch.Tensor) else factor
+        torch._foreach_mul_(grads, f)
+
+
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
-    grad_scale: float = 1.0,
+    grad_scale: torch.Tensor | float = 1.0,
     pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale gradients by ``grad_scale``, then clip them to global L2 norm ``max_norm`` (0: no clipping).
 
     Both happen in one multiply per gradient: ``g *= grad_scale * min(1, max_norm / (norm + 1e-6))``
     with ``norm = grad_scale * ||g||`` (the coefficient of ``torch.nn.utils.clip_grad_norm_``), one
-    mesh group at a time. ``grad_scale`` is how a pending normalization (e.g. the step's token count,
-    :class:`kempnerforge.training.loss.StepTokenNormalizer`) is folded in without an extra pass.
+    mesh group at a time. Nothing is read back on the host: the coefficient stays a device scalar.
+    With ``max_norm == 0`` and ``grad_scale == 1`` the gradients are not touched (the norm is only measured).
 
     Args:
         parameters: parameters with plain or DTensor ``.grad`` (None is skipped).
         max_norm: clip threshold on the scaled norm; 0 scales only.
-        grad_scale: factor applied to every gradient before the norm is measured.
+        grad_scale: factor applied to every gradient before the norm is measured (a number or a scalar tensor).
         pp_group: the pipeline group when ``pp > 1`` (the norm covers every stage; see :func:`total_grad_norm`).
 
     Returns:
@@ -102,19 +125,15 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     if not params and pp_group is None:
         return torch.tensor(0.0)
-    norm = total_grad_norm(params, pp_group=pp_group) * grad_scale
-    coef = torch.tensor(grad_scale, dtype=torch.float32)
+    scaled = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
+    norm = total_grad_norm(params, pp_group=pp_group)
+    if scaled:
+        norm = norm * grad_scale
     if max_norm > 0:
-        coef = coef * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    # One coefficient for all, applied per mesh: a foreach op cannot mix DTensors of different meshes
-    # (e.g. TP+FSDP2 2-D weights next to FSDP2-only 1-D norm weights).
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
-    with torch.no_grad():
-        for grads in by_mesh.values():
-            # torch's documented foreach op (clip_grads_with_norm_ uses it; its coefficient cannot carry grad_scale).
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        scale_grads_(params, coef * grad_scale if scaled else coef)
+    elif scaled:
+        scale_grads_(params, grad_scale)
     return norm
 
 

@@ -66,7 +66,7 @@ class PipelineRunner:
         self.stage_modules: list[DecoderStage] = []
         self.schedule = None
         self._sums: list[torch.Tensor] = []
-        self._scale = 1.0
+        self._scale: torch.Tensor | float = 1.0
         self._grads: list[torch.Tensor | None] = []
 
     @property
@@ -142,15 +142,18 @@ class PipelineRunner:
         dist.all_reduce(total, group=self.pp_mesh.get_group())  # other ranks add exact zeros
         return total
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
+    def train_step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: torch.Tensor | float
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch through the schedule.
 
         Args:
             input_ids: ``(batch, seq)`` int64, identical on every pp rank of a data shard.
             labels: ``(batch, seq)`` int64 (``-100`` ignored).
-            loss_scale: factor on each micro-batch's summed token loss before its backward
-                (``dp_size / accumulate_grad_batches``: the step's gradients are normalized afterwards
-                by :class:`kempnerforge.training.loss.StepTokenNormalizer`).
+            loss_scale: factor on each micro-batch's summed token loss before its backward: ``dp_size /
+                N_global`` (a device scalar) without gradient accumulation, else ``dp_size /
+                accumulate_grad_batches`` (the gradients are normalized after the step's last batch by
+                :class:`kempnerforge.training.loss.StepTokenNormalizer`).
 
         Returns:
             The summed (un-normalized) token loss of the whole batch (fp32 scalar, detached), the same
@@ -176,12 +179,11 @@ class PipelineRunner:
         if batch_idx % accumulate == 0:  # a new optimizer step
             for p in params:
                 p.grad = None
-        scale = module._dp_size() / accumulate  # what Lightning's backward of the returned loss would apply
-        loss_sum = self.train_step(batch["input_ids"], batch["labels"], scale)
+        n_targets = (batch["labels"] != IGNORE_INDEX).sum()
+        loss_sum = self.train_step(batch["input_ids"], batch["labels"], _loss_scale(module, n_targets, accumulate))
         self._grads = [p.grad for p in params]
         for p in params:
             p.grad = None
-        n_targets = (batch["labels"] != IGNORE_INDEX).sum()
         return module._record_step(batch, batch_idx, loss_sum, n_targets)
 
     def restore_grads(self, model: nn.Module) -> None:
@@ -202,6 +204,21 @@ class PipelineRunner:
         args = (input_ids,) if self.has_first else ()
         kwargs = {"return_outputs": False} if fn == self.schedule.step else {}
         fn(*args, target=target, **kwargs)
+
+
+def _loss_scale(module: Any, n_targets: torch.Tensor, accumulate: int) -> torch.Tensor | float:
+    """What the module's normalization applies to a micro-batch's summed loss before its backward (see
+    ``CausalLM._record_step``): ``dp / N_global`` without accumulation (the labels are on every pp rank,
+    so the count is all-reduced over dp before the schedule runs; no host read-back), else ``dp /
+    accumulate`` (Lightning's division of the returned loss; the gradients are normalized at the end)."""
+    dp = module._dp_size()
+    if accumulate != 1:
+        return dp / accumulate
+    n = n_targets.detach().double().reshape(1)
+    group = module._dp_group()
+    if group is not None:
+        dist.all_reduce(n, group=group)
+    return (dp / n[0].clamp(min=1)).float()
 
 
 def update_validation_metrics(module: object, loss_sum: torch.Tensor, n_targets: torch.Tensor) -> None:

@@ -8,9 +8,9 @@ signal number and returns; the training loop asks :func:`agree_any` at the next 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,50 @@ class SignalFlag:
         self._previous.clear()
 
 
+@runtime_checkable
+class StepFlagSource(Protocol):
+    """A callback holding a host-side flag that all ranks must agree on at an optimizer-step boundary
+    (e.g. :class:`~kempnerforge.callbacks.Preemption`'s signal flag).
+
+    A per-step agreement that runs anyway (:class:`~kempnerforge.callbacks.NaNGuard`'s non-finite
+    check) carries these flags in the same reduction: one all-reduce and one host read-back for all.
+    """
+
+    def local_step_flag(self) -> bool:
+        """This rank's flag now."""
+        ...
+
+    def receive_agreed_flag(self, value: bool) -> None:
+        """The flag agreed over all ranks at this optimizer step (called before ``on_train_batch_end``)."""
+        ...
+
+
+def agree_max(
+    values: Sequence[bool | float | torch.Tensor], device: torch.device | str = "cpu", group: Any = None
+) -> list[float]:
+    """The maximum over all ranks of each value, in one all-reduce (MAX) and one host read-back.
+
+    Args:
+        values: per-rank values: bools, floats, or 0-d / 1-element tensors (any dtype); tensors stay on
+            their device until the read-back.
+        device: device of the reduction tensor (CUDA for NCCL).
+        group: process group (None: the world; no process group: the local values).
+
+    Returns:
+        The agreed values as floats (fp64), in order.
+    """
+    parts = [
+        v.detach().reshape(()).to(device=device, dtype=torch.float64)
+        if isinstance(v, torch.Tensor)
+        else torch.full((), float(v), dtype=torch.float64, device=device)  # a fill, not a host-to-device copy
+        for v in values
+    ]
+    t = torch.stack(parts)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def agree_any(flag: bool | torch.Tensor, device: torch.device | str = "cpu", group: Any = None) -> bool:
     """True on every rank when ``flag`` is true on any rank (all-reduce MAX; a no-op without a process group).
 
@@ -75,11 +119,6 @@ def agree_any(flag: bool | torch.Tensor, device: torch.device | str = "cpu", gro
         group: process group (None: the world).
 
     Returns:
-        The agreed flag (one 4-byte host readback).
+        The agreed flag (one 8-byte host read-back).
     """
-    t = flag.detach().reshape(1).to(device=device, dtype=torch.int32) if isinstance(flag, torch.Tensor) else None
-    if t is None:
-        t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    return agree_max([flag], device, group)[0] > 0

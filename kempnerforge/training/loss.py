@@ -8,12 +8,15 @@ losses is divided by the global token count, as in torchtitan and Megatron-LM.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+
+from kempnerforge.parallel.grad_clip import scale_grads_
 
 #: Label value excluded from the loss (PyTorch / Hugging Face convention).
 IGNORE_INDEX = -100
@@ -124,75 +127,109 @@ def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class StepTokenNormalizer:
-    """Normalize one optimizer step's gradient by its global target-token count (dp ranks x micro-batches).
+    """Normalize one optimizer step by its global target-token count (dp ranks x micro-batches), so the
+    gradients are those of the logged loss before any ``on_before_optimizer_step`` hook reads them.
 
-    The exact objective of a step with gradient accumulation is ``sum of token losses / N`` where ``N``
-    counts the target tokens (``IGNORE_INDEX`` excluded) of every micro-batch on every data-parallel
-    rank. ``N`` is only known after the last micro-batch, but the gradient is linear in ``1/N``, so
-    each micro-batch backpropagates its un-normalized sum and the accumulated gradients are rescaled
-    once, after one all-reduce of ``(loss sum, token count)`` per step. torchtitan gets the
-    same result by counting the step's tokens before the forward passes; here no batch has to be
-    fetched ahead of Lightning's loop, and a shorter last window of an epoch is normalized by the
-    tokens it really had. With padding, 4 accumulated micro-batches give exactly the gradient of one
-    batch 4x larger (up to fp32 rounding of the sum order).
+    The exact objective of a step is ``sum of token losses / N`` where ``N`` counts the target tokens
+    (``IGNORE_INDEX`` excluded) of every micro-batch on every data-parallel rank (torchtitan and
+    Megatron-LM normalize the same way). Two cases, neither reads a value on the host:
 
-    Usage per micro-batch: ``loss = normalizer.add(loss_sum, n_targets, dp_size, new_step)`` (return it
-    from ``training_step``); before the optimizer step:
-    ``mean, n, scale = normalizer.finish(group, accumulate_grad_batches)``, then
-    ``clip_grad_norm_(params, max_norm, grad_scale=scale)`` (which also applies ``scale`` when not clipping).
+    - ``accumulate_grad_batches == 1``: :meth:`add` all-reduces ``(loss sum, token count)`` over the
+      data-parallel group at once (a collective on a device tensor) and returns ``dp_size / N``; the
+      backward of the scaled loss gives the normalized gradients directly, with no pass over them.
+    - ``accumulate_grad_batches > 1``: ``N`` is known only after the last micro-batch, so each
+      micro-batch backpropagates its un-normalized sum (times ``dp_size``; Lightning divides it by
+      ``accumulate``) and :meth:`finish_gradients`, run right after the last backward, all-reduces the
+      step's counts and multiplies the gradients by ``accumulate / N`` (a device scalar; one pass per
+      optimizer step). A shorter last window of an epoch is normalized by the tokens it really had,
+      and 4 accumulated micro-batches give the gradient of one batch 4x larger (up to fp32 rounding).
+
+    Usage per micro-batch: ``loss = objective_sum * normalizer.add(loss_sum, n_targets, ...)`` (return it
+    from ``training_step``); after the step's last backward: ``normalizer.finish_gradients(params,
+    group, accumulate)``; then ``mean, n = normalizer.step_loss()`` for the logs.
     """
 
     def __init__(self) -> None:
-        self._stats: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None  # (2,) fp64: loss sum, target count (global once reduced)
+        self._reduced = False
 
-    def add(self, loss_sum: torch.Tensor, n_targets: torch.Tensor, dp_size: int, new_step: bool) -> torch.Tensor:
-        """Record one micro-batch and return the loss to backpropagate.
+    def add(
+        self,
+        loss_sum: torch.Tensor,
+        n_targets: torch.Tensor,
+        dp_size: int,
+        new_step: bool,
+        accumulate: int = 1,
+        group: dist.ProcessGroup | None = None,
+    ) -> torch.Tensor | float:
+        """Record one micro-batch; return the factor its summed objective is multiplied by before backward.
 
         Args:
-            loss_sum: this rank's summed token loss of the micro-batch (scalar, differentiable).
+            loss_sum: this rank's summed token loss of the micro-batch (scalar; only its value is used).
             n_targets: this rank's target-token count of the micro-batch (scalar).
-            dp_size: data-parallel degree; FSDP2 / DDP average gradients over it, so the returned
-                loss is scaled by it to make the reduced gradient a sum over ranks.
+            dp_size: data-parallel degree; FSDP2 / DDP average gradients over it, so the factor includes
+                it to make the reduced gradient a sum over ranks.
             new_step: True for the first micro-batch of an optimizer step (drops stale counts, e.g. of
                 a step a callback skipped).
+            accumulate: the trainer's ``accumulate_grad_batches``.
+            group: data-parallel process group (None: this process alone).
 
         Returns:
-            ``loss_sum * dp_size`` (scalar); its gradient is normalized later by :meth:`finish`.
+            ``dp_size / N_global`` (fp32 scalar tensor on the loss' device) when ``accumulate == 1``,
+            else ``dp_size`` (the gradients are normalized later by :meth:`finish_gradients`).
         """
         detached = loss_sum.detach()
         if isinstance(detached, DTensor):  # vocab-parallel loss: replicated over the TP mesh
             detached = detached.full_tensor()
         stats = torch.stack([detached.double(), n_targets.detach().to(detached.device).double()])
         self._stats = stats if new_step or self._stats is None else self._stats + stats
-        return loss_sum * dp_size
+        self._reduced = False
+        if accumulate != 1:
+            return float(dp_size)
+        self._reduce(group)
+        return (dp_size / self._stats[1].clamp(min=1)).to(detached.dtype)
 
-    def finish(
-        self, group: dist.ProcessGroup | None = None, accumulate_grad_batches: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """All-reduce the step's loss sum and token count; return the factor that normalizes the gradients.
+    def _reduce(self, group: dist.ProcessGroup | None) -> None:
+        if group is not None:
+            dist.all_reduce(self._stats, group=group)
+        self._reduced = True
 
-        Lightning divided each micro-batch loss by ``accumulate_grad_batches``, so the gradients must be
-        multiplied by ``accumulate_grad_batches / N`` (``N`` clamped to >= 1). The caller applies it,
-        folded into clipping (:func:`kempnerforge.parallel.grad_clip.clip_grad_norm_`'s ``grad_scale``),
-        so the gradients are touched once.
+    @property
+    def pending(self) -> bool:
+        """True between the micro-batches of an accumulated step and :meth:`finish_gradients`."""
+        return self._stats is not None and not self._reduced
+
+    @torch.no_grad()
+    def finish_gradients(
+        self, parameters: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, accumulate: int = 1
+    ) -> None:
+        """With gradient accumulation: all-reduce the step's loss sum and token count, then multiply the
+        gradients by ``accumulate / N`` (``N`` clamped to >= 1; Lightning divided each micro-batch loss by
+        ``accumulate``). A no-op when :meth:`add` already normalized the step (``accumulate == 1``).
 
         Args:
+            parameters: the parameters whose ``.grad`` is rescaled (plain tensors or DTensors on any meshes).
             group: data-parallel process group (None: this process alone).
-            accumulate_grad_batches: the trainer's ``accumulate_grad_batches``.
+            accumulate: the trainer's ``accumulate_grad_batches``.
+        """
+        if not self.pending:
+            return
+        self._reduce(group)
+        scale_grads_(parameters, accumulate / self._stats[1].clamp(min=1))
 
-        Returns:
-            ``(mean_loss, n_global, grad_scale)``: the step's mean loss per target token over the
-            global batch (fp32 scalar, nats), the global target-token count (fp32 scalar) and the
-            gradient factor (float).
+    def step_loss(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The finished step's mean loss per target token over the global batch (fp32 scalar, nats) and
+        its global target-token count (fp32 scalar); both stay on the device. Resets the step.
 
         Raises:
-            RuntimeError: no micro-batch was recorded since the last :meth:`finish`.
+            RuntimeError: no micro-batch was recorded since the last call, or the accumulated gradients
+                were not normalized yet (:meth:`finish_gradients`).
         """
         if self._stats is None:
-            raise RuntimeError("StepTokenNormalizer.finish() called without a micro-batch recorded by add().")
+            raise RuntimeError("StepTokenNormalizer.step_loss() called without a micro-batch recorded by add().")
+        if not self._reduced:
+            raise RuntimeError(
+                "StepTokenNormalizer.step_loss() called before finish_gradients() of an accumulated step."
+            )
         stats, self._stats = self._stats, None
-        if group is not None:
-            dist.all_reduce(stats, group=group)
-        n_global = stats[1].clamp(min=1)
-        scale = float(accumulate_grad_batches / n_global)
-        return (stats[0] / n_global).float(), stats[1].float(), scale
+        return (stats[0] / stats[1].clamp(min=1)).float(), stats[1].float()

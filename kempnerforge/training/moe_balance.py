@@ -31,7 +31,7 @@ class MoEStepTracker:
 
     def __init__(self) -> None:
         self._step_load: dict[str, torch.Tensor] = {}
-        self._window: dict[str, dict[str, torch.Tensor]] = {}
+        self._window: dict[str, dict[str, torch.Tensor | int]] = {}
 
     def collect(self, model: nn.Module, new_step: bool) -> torch.Tensor | None:
         """Read the MoE layers after one micro-batch forward.
@@ -58,14 +58,14 @@ class MoEStepTracker:
             for key, value in (
                 ("counts", stats.counts),
                 ("dropped", stats.dropped),
-                ("assignments", torch.tensor(float(stats.assignments))),
                 ("lb_loss", stats.lb_loss),
                 ("seq_loss", stats.seq_loss),
                 ("z_loss", stats.z_loss),
-                ("n", torch.tensor(1.0)),
             ):
-                value = value.to(stats.counts.device)
                 w[key] = w[key] + value if key in w else value.clone()
+            # Counts known on the host stay Python numbers (a tensor would be copied to the device).
+            w["assignments"] = w.get("assignments", 0) + stats.assignments
+            w["n"] = w.get("n", 0) + 1
         return aux
 
     @torch.no_grad()
@@ -112,7 +112,7 @@ class MoEStepTracker:
             out[f"{prefix}/load_max_ratio"] = counts.max() / mean
             out[f"{prefix}/load_min_ratio"] = counts.min() / mean
             out[f"{prefix}/load_entropy"] = entropy
-            out[f"{prefix}/dropped_frac"] = w["dropped"] / w["assignments"].clamp(min=1)
+            out[f"{prefix}/dropped_frac"] = w["dropped"] / max(w["assignments"], 1)
             for key in ("lb_loss", "seq_loss", "z_loss"):
                 out[f"{prefix}/{key}"] = w[key] / w["n"]
             out[f"{prefix}/bias_range"] = bias.max() - bias.min()

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from train_script import tiny_config
 
-from kempnerforge.callbacks import NaNGuard
+from kempnerforge.callbacks import NaNGuard, Preemption
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.module import CausalLM
 from kempnerforge.strategies import KempnerStrategy
@@ -41,6 +42,8 @@ def main() -> None:
     p.add_argument("--nan-step", type=int, default=-1, help="global step whose loss is NaN on rank 0")
     p.add_argument("--drop", default="", help="comma-separated batch indices the loader leaves out")
     p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--signal-step", type=int, default=-1, help="global step at which rank 1 gets SIGUSR1")
+    p.add_argument("--preempt-dir", default=None, help="add Preemption(check_every_s=1e6) saving here")
     args = p.parse_args()
 
     seed_everything(0, workers=True)
@@ -63,10 +66,17 @@ def main() -> None:
         loss = step_fn(batch, batch_idx)
         if module.trainer.global_step == args.nan_step and module.trainer.global_rank == 0:
             loss = loss * float("nan")  # rank 0 only: the other rank's loss is finite
+        if module.trainer.global_step == args.signal_step and module.trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # rank 1 only: the ranks must agree to stop together
         return loss
 
     module.training_step = training_step
     callbacks = [NaNGuard(action=args.action)] if args.action else []
+    preemption = None
+    if args.preempt_dir:
+        # Its own agreement would come only after 1e6 s: a stop can only come from NaNGuard's reduction.
+        preemption = Preemption(dirpath=args.preempt_dir, check_every_s=1e6)
+        callbacks.append(preemption)
     if args.ckpt_dir:
         callbacks.append(
             ModelCheckpoint(
@@ -96,6 +106,8 @@ def main() -> None:
         "weights": weights,
         "skipped": getattr(guard, "skipped_steps", []),
         "rollbacks": getattr(guard, "rollbacks", 0),
+        "preempted": str(preemption.saved_path) if preemption and preemption.saved_path else None,
+        "global_step": trainer.global_step,
     }
     torch.save(record, f"{args.out}-rank{trainer.global_rank}.pt")
 

@@ -26,9 +26,11 @@ def test_ep_layer_matches_single_process_with_idle_experts(tmp_path):
     launch(2, HERE / "ep_moe_check.py", ["--out", str(out), "--skew"], timeout=180)
     record = json.loads(out.read_text())
     for rank, errors in enumerate(record["errors"]):
+        assert errors.pop("cap_dropped") > 0  # capacity_factor=1 with skewed routing really drops
         for key, err in errors.items():
-            assert err <= (1e-5 if key == "router" else 1e-6), (rank, key, err)
+            assert err <= (1e-5 if key.endswith("router") else 1e-6), (rank, key, err)
     assert {"w1_idle", "w2_idle", "w3_idle"} <= set(record["errors"][1])  # rank 1's experts got no tokens
+    assert record["syncs"] == [["tolist", "kempnerforge/parallel/ep_dispatch.py"]]  # one per EP layer forward
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,10 @@ def test_fsdp_dp_shard_2_matches_single_process(single, fsdp2):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
     for a, b in zip(record["grad_norms"], single["grad_norms"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    # Issue 17 check 4 on 2 FSDP2 ranks: a callback's on_before_optimizer_step sees the gradients of the
+    # logged loss (their norm is the logged train/grad_norm), in both runs.
+    for run in (record, single):
+        assert run["callback_norms"] == pytest.approx(run["grad_norms"], rel=1e-5)
     assert single["losses"][0] > 10.0  # ~ln(50257) at init
     assert single["losses"][-1] < single["losses"][0] - 2.0
 

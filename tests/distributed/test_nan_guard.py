@@ -24,12 +24,19 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 def test_skip_leaves_all_ranks_equal_to_a_run_without_that_batch(tmp_path, shakespeare_tokens):
-    guarded = _run(tmp_path, shakespeare_tokens, "skip", "--steps", "8", "--action", "skip", "--nan-step", "3")
+    """Also: rank 1 alone gets SIGUSR1 in the last step; Preemption (own agreement 1e6 s away) learns it
+    through NaNGuard's reduction of that step, so both ranks save the same checkpoint together."""
+    preempt = tmp_path / "preempt"
+    guarded = _run(tmp_path, shakespeare_tokens, "skip", "--steps", "8", "--action", "skip", "--nan-step", "3",
+                   "--signal-step", "7", "--preempt-dir", str(preempt))  # fmt: skip
     oracle = _run(tmp_path, shakespeare_tokens, "oracle", "--steps", "7", "--drop", "3")
     assert guarded[0]["skipped"] == guarded[1]["skipped"] == [3]  # agreed: rank 1's own loss was finite
     _assert_same(guarded[0]["weights"], guarded[1]["weights"])
     _assert_same(guarded[0]["weights"], oracle[0]["weights"])
     assert all(torch.isfinite(w).all() for w in guarded[0]["weights"].values())
+    saved = str(preempt / "step=000008.ckpt")
+    assert guarded[0]["preempted"] == guarded[1]["preempted"] == saved
+    assert (preempt / "step=000008.ckpt" / "COMPLETE").is_file()
 
 
 def test_rollback_reloads_last_checkpoint_and_continues(tmp_path, shakespeare_tokens):

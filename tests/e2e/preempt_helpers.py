@@ -34,7 +34,11 @@ def write_config(
     cfg["trainer"]["strategy"]["init_args"]["async_checkpoint"] = async_save
     ckpt = next(c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))["init_args"]
     ckpt.update(dirpath=str(tmp / "ckpt"), every_n_train_steps=4)
-    cfg["trainer"]["callbacks"] += extra_callbacks or [{"class_path": "kempnerforge.callbacks.Preemption"}]
+    # check_every_s=0: agree on the flag every step, so a signal at a random step of this 10-step run stops
+    # it at the next one (the default agrees every ~10 s of training; tests/unit covers that schedule).
+    cfg["trainer"]["callbacks"] += extra_callbacks or [
+        {"class_path": "kempnerforge.callbacks.Preemption", "init_args": {"check_every_s": 0}}
+    ]
     cfg["model"]["config"].update(dim=64, n_layers=2, max_seq_len=64, multiple_of=32)
     cfg["data"].update(data_dir=str(data_dir), seq_len=32, micro_batch_size=2)
     path = tmp / "cfg.yaml"

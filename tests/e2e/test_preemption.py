@@ -100,7 +100,7 @@ def test_slurm_two_tasks_preempted_requeue_once_and_match_reference(tmp_path, sh
     cfg = write_config(
         tmp_path,
         shakespeare_tokens,
-        [{"class_path": "kempnerforge.callbacks.Preemption", "init_args": {"requeue": True}}],
+        [{"class_path": "kempnerforge.callbacks.Preemption", "init_args": {"requeue": True, "check_every_s": 0}}],
     )
     common = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     procs = [start(cfg, {**common, **slurm_task_env(rank=r)}, log=tmp_path / f"task{r}.log") for r in range(2)]

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from kempnerforge.callbacks import CheckpointRetention, NaNGuard, Preemption
+from kempnerforge.callbacks import CheckpointRetention, NaNGuard, Preemption, ProgressBar
 from kempnerforge.resilience.nonfinite import NonFiniteError
 
 
@@ -111,3 +111,103 @@ def test_preemption_save_is_not_repeated_by_model_checkpoint(tmp_path):
     trainer.fit(BoringModel())
     assert trainer.global_step == 1
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch=0-step=1.ckpt"]
+
+
+class _Clock(Callback):
+    """A fake ``time.monotonic`` advancing one second per training batch; signals at batch ``signal_at``."""
+
+    def __init__(self, signal_at: int | None = None) -> None:
+        self.now, self.signal_at = 0.0, signal_at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.now += 1.0
+        if batch_idx == self.signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def _fit_with_agreements(tmp_path, monkeypatch, *callbacks, steps: int = 9) -> tuple[Trainer, list[int]]:
+    """Fit BoringModel; return the trainer and the global steps at which Preemption reduced on its own."""
+    import kempnerforge.callbacks.preemption as preemption_mod
+
+    clock = next(cb for cb in callbacks if isinstance(cb, _Clock))
+    monkeypatch.setattr(preemption_mod.time, "monotonic", lambda: clock.now)
+    agreed_at: list[int] = []
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=steps, accelerator="cpu", callbacks=list(callbacks),
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    real = preemption_mod.agree_max
+
+    def spy(values, device="cpu", group=None):
+        agreed_at.append(trainer.global_step)
+        return real(values, device, group)
+
+    monkeypatch.setattr(preemption_mod, "agree_max", spy)
+    trainer.fit(BoringModel())
+    return trainer, agreed_at
+
+
+def test_preemption_agrees_every_check_every_s_seconds_and_stops_at_the_next_agreement(tmp_path, monkeypatch):
+    """1 s per step, check_every_s=3: the first agreement (step 1) measures the step time, then every 3rd
+    step agrees (1, 4, 7); a signal during step 5 stops the run at step 7, with its checkpoint."""
+    preemption = Preemption(signals=["SIGUSR1"], check_every_s=3.0)
+    trainer, agreed_at = _fit_with_agreements(tmp_path, monkeypatch, _Clock(), preemption, steps=9)
+    assert agreed_at == [1, 4, 7] and trainer.global_step == 9 and preemption.saved_path is None
+    preemption = Preemption(signals=["SIGUSR1"], check_every_s=3.0)
+    trainer, agreed_at = _fit_with_agreements(tmp_path, monkeypatch, _Clock(signal_at=4), preemption, steps=9)
+    assert agreed_at == [1, 4, 7]  # batch 4 is step 5: agreed at the end of step 7
+    assert trainer.global_step == 7 and preemption.saved_path == tmp_path / "checkpoints" / "step=000007.ckpt"
+    with pytest.raises(ValueError, match=r"check_every_s=-1 must be >= 0 seconds \(0: every step\)"):
+        Preemption(check_every_s=-1)
+
+
+def test_preemption_rides_on_nan_guard_reduction_every_step(tmp_path, monkeypatch):
+    """With a NaNGuard, the signal flag travels in its per-step reduction: no reduction of Preemption's
+    own, and a signal during step 3 stops the run right after it even with check_every_s huge."""
+    preemption = Preemption(signals=["SIGUSR1"], check_every_s=1e6)
+    trainer, agreed_at = _fit_with_agreements(tmp_path, monkeypatch, _Clock(signal_at=2), NaNGuard(), preemption)
+    assert agreed_at == []
+    assert trainer.global_step == 3 and preemption.saved_path == tmp_path / "checkpoints" / "step=000003.ckpt"
+
+
+class _LoggedLoss(BoringModel):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train/loss", out["loss"].detach())  # a device tensor, not a prog_bar metric
+        return out
+
+
+def test_progress_bar_reads_metrics_only_at_the_log_interval(tmp_path, monkeypatch):
+    """kempnerforge's ProgressBar in plain Lightning: the bar moves every batch, the metrics (a host
+    read-back) are read at steps 3 and 6 of 7 with log_every_n_steps=3, plus once at the epoch's end."""
+    bar = ProgressBar()
+    reads: list[int] = []
+    real = ProgressBar.get_metrics
+
+    def spy(self, trainer, pl_module):
+        reads.append(trainer.global_step)
+        return real(self, trainer, pl_module)
+
+    monkeypatch.setattr(ProgressBar, "get_metrics", spy)
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=7, log_every_n_steps=3, accelerator="cpu", logger=False,
+                      limit_val_batches=0,
+                      enable_checkpointing=False, enable_model_summary=False, callbacks=[bar])  # fmt: skip
+    trainer.fit(_LoggedLoss())
+    assert reads == [3, 6, 7]
+    assert bar.train_progress_bar.n == 7 and "train/loss" in bar.train_progress_bar.postfix
+    with pytest.raises(ValueError, match="metrics_every_n_steps=0 must be an integer >= 1 or None"):
+        ProgressBar(metrics_every_n_steps=0)
+
+
+def test_kforge_adds_its_progress_bar_unless_one_is_configured():
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from kempnerforge.cli import add_default_progress_bar
+
+    config = {"callbacks": [NaNGuard()]}
+    add_default_progress_bar(config)
+    assert [type(c) for c in config["callbacks"]] == [NaNGuard, ProgressBar]
+    own = {"callbacks": TQDMProgressBar()}
+    add_default_progress_bar(own)
+    assert [type(c) for c in own["callbacks"]] == [TQDMProgressBar]
+    off = {"callbacks": None, "enable_progress_bar": False}
+    add_default_progress_bar(off)
+    assert off["callbacks"] is None

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader
 
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import canonical_fqn
 from kempnerforge.module import CausalLM
 from kempnerforge.parallel.dtensor import to_full
-from kempnerforge.parallel.grad_clip import clip_grad_norm_
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.loss import IGNORE_INDEX, StepTokenNormalizer, token_cross_entropy_sum
 from kempnerforge.training.lr import SchedulerConfig
@@ -42,8 +42,8 @@ def _samples(n: int) -> list[dict[str, torch.Tensor]]:
 class _Recording(CausalLM):
     """Snapshots the normalized gradients of every optimizer step (after normalization, no clipping)."""
 
-    def __init__(self) -> None:
-        super().__init__(CFG, scheduler=SchedulerConfig(warmup_steps=1, total_steps=10), grad_clip=0.0)
+    def __init__(self, grad_clip: float = 0.0) -> None:
+        super().__init__(CFG, scheduler=SchedulerConfig(warmup_steps=1, total_steps=10), grad_clip=grad_clip)
         self.grads: list[dict[str, torch.Tensor]] = []
         self.losses: list[float] = []
         self.norms: list[float] = []
@@ -55,8 +55,20 @@ class _Recording(CausalLM):
         self.norms.append(float(self.trainer.callback_metrics["train/grad_norm"]))
 
 
-def _run(samples, batch_size: int, accumulate: int, steps: int) -> _Recording:
-    module = _Recording()
+class _StockGradNorm(Callback):
+    """What a Lightning user writes to watch gradients: ``grad_norm`` in ``on_before_optimizer_step``
+    (Lightning runs callbacks' hooks before the module's, so before clipping)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.norms.append(float(grad_norm(pl_module, norm_type=2)["grad_2.0_norm_total"]))
+
+
+def _run(samples, batch_size: int, accumulate: int, steps: int, grad_clip: float = 0.0) -> _Recording:
+    module = _Recording(grad_clip)
+    probe = _StockGradNorm()
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -69,8 +81,10 @@ def _run(samples, batch_size: int, accumulate: int, steps: int) -> _Recording:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=[probe],
     )
     trainer.fit(module, train_dataloaders=DataLoader(samples, batch_size=batch_size, shuffle=False))
+    module.stock_norms = probe.norms
     return module
 
 
@@ -93,8 +107,21 @@ def test_accumulate_4_equals_one_batch_4x_larger_with_padding(n_samples, steps):
     assert len(set(counts)) > 3
 
 
-def test_normalizer_matches_global_mean_gradient():
-    """Without Lightning: sum-then-rescale equals the gradient of the global mean over all micro-batches."""
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_stock_grad_norm_callback_sees_the_gradients_of_the_logged_loss(accumulate):
+    """Issue 17 check 4: Lightning's ``grad_norm`` read by a callback in ``on_before_optimizer_step``
+    equals the logged ``train/grad_norm`` (1e-5), with clipping on (it happens after the callbacks)."""
+    samples = _samples(16)
+    module = _run(samples, batch_size=8 // accumulate, accumulate=accumulate, steps=2, grad_clip=0.5)
+    assert len(module.stock_norms) == len(module.norms) == 2
+    assert module.stock_norms == pytest.approx(module.norms, rel=1e-5)
+    assert all(n > 0.5 for n in module.norms)  # clipping really applied after the callback read the norm
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+def test_normalizer_matches_global_mean_gradient(accumulate):
+    """Without Lightning: the scaled micro-batch losses (accumulate 4: sum-then-rescale after the last
+    backward; 1: normalized before backward) give the gradient of the global mean over all tokens."""
     torch.manual_seed(0)
     w = torch.randn(8, 5, requires_grad=True)
     x = torch.randn(4, 3, 8)
@@ -105,24 +132,32 @@ def test_normalizer_matches_global_mean_gradient():
     token_cross_entropy_sum(x @ w, labels)[0].div(n).backward()
     expected, w.grad = w.grad.clone(), None
 
-    normalizer, accumulate = StepTokenNormalizer(), 4
-    for i in range(4):  # what Lightning does: backward(loss / accumulate) per micro-batch
-        loss_sum, n_i = token_cross_entropy_sum(x[i : i + 1] @ w, labels[i : i + 1])
-        (normalizer.add(loss_sum, n_i, dp_size=1, new_step=i == 0) / accumulate).backward()
-    mean, n_global, scale = normalizer.finish(None, accumulate)
-    assert scale == pytest.approx(accumulate / int(n))
-    clip_grad_norm_([w], max_norm=0.0, grad_scale=scale)  # how CausalLM applies it
+    normalizer = StepTokenNormalizer()
+    per = 4 // accumulate  # rows per micro-batch
+    for i in range(accumulate):  # what Lightning does: backward(loss / accumulate) per micro-batch
+        rows = slice(i * per, (i + 1) * per)
+        loss_sum, n_i = token_cross_entropy_sum(x[rows] @ w, labels[rows])
+        factor = normalizer.add(loss_sum, n_i, dp_size=1, new_step=i == 0, accumulate=accumulate)
+        (loss_sum * factor / accumulate).backward()
+    assert normalizer.pending == (accumulate > 1)
+    normalizer.finish_gradients([w], None, accumulate)  # how CausalLM.optimizer_step applies it
+    assert not normalizer.pending
     torch.testing.assert_close(w.grad, expected, rtol=1e-6, atol=1e-8)
+    mean, n_global = normalizer.step_loss()
     assert int(n_global) == int(n)
     full_mean = torch.nn.functional.cross_entropy((x @ w).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     assert float(mean) == pytest.approx(float(full_mean.detach()), rel=1e-6)
 
 
-def test_new_step_drops_stale_counts_and_finish_needs_a_micro_batch():
+def test_new_step_drops_stale_counts_and_step_loss_needs_a_finished_step():
     normalizer = StepTokenNormalizer()
     normalizer.add(torch.tensor(100.0), torch.tensor(10), dp_size=1, new_step=True)  # a step that never finished
-    normalizer.add(torch.tensor(6.0), torch.tensor(3), dp_size=1, new_step=True)
-    mean, n, scale = normalizer.finish(None, 1)
-    assert (float(mean), float(n), scale) == (2.0, 3.0, 1 / 3)
-    with pytest.raises(RuntimeError, match=r"finish\(\) called without a micro-batch"):
-        normalizer.finish(None, 1)
+    factor = normalizer.add(torch.tensor(6.0), torch.tensor(3), dp_size=2, new_step=True)
+    assert float(factor) == pytest.approx(2 / 3)  # dp_size / N: FSDP2 averages over the dp ranks
+    mean, n = normalizer.step_loss()
+    assert (float(mean), float(n)) == (2.0, 3.0)
+    with pytest.raises(RuntimeError, match=r"step_loss\(\) called without a micro-batch"):
+        normalizer.step_loss()
+    assert normalizer.add(torch.tensor(6.0), torch.tensor(3), dp_size=2, new_step=True, accumulate=2) == 2.0
+    with pytest.raises(RuntimeError, match=r"before finish_gradients\(\)"):
+        normalizer.step_loss()

@@ -128,6 +128,54 @@ def test_capacity_drops_exactly_the_overflow_assignments():
     assert float(metrics["moe/layers.0.moe/load_min_ratio"]) == pytest.approx(0.5)
 
 
+def _explicit_capacity_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Oracle: loop over tokens then slots; an assignment runs its expert only while the expert has
+    capacity left (the first ``capacity`` in token order, Switch Transformer sec. 2.2)."""
+    cfg = moe.config
+    tokens = x.reshape(-1, cfg.dim)
+    route = moe.router(tokens)
+    cap = math.ceil(cfg.capacity_factor * tokens.shape[0] * cfg.top_k / cfg.num_experts)
+    used = [0] * cfg.num_experts
+    rows = []
+    for t in range(tokens.shape[0]):
+        acc = torch.zeros(cfg.dim)
+        for j in range(cfg.top_k):
+            e = int(route.indices[t, j])
+            if used[e] < cap:
+                used[e] += 1
+                w1, w2, w3 = (getattr(moe.experts, n)[e] for n in ("w1", "w2", "w3"))
+                h = torch.nn.functional.silu(tokens[t] @ w1.T) * (tokens[t] @ w3.T)
+                acc = acc + route.weights[t, j] * (h @ w2.T)
+        rows.append(acc)
+    return torch.stack(rows).view_as(x)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+def test_capacity_values_and_gradients_equal_an_explicit_loop(grouped):
+    """The fixed-shape capacity path (dropped rows kept after the groups and masked) gives the values
+    and the gradients of x, experts and router of a per-token loop that really skips them."""
+    cfg = _cfg(num_experts=4, top_k=2, capacity_factor=1.0)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    moe.experts.use_grouped_mm = grouped
+    x = torch.randn(2, 6, cfg.dim, requires_grad=True)
+    out = moe(x)
+    assert float(moe.stats.dropped) > 0
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    gx, x.grad = x.grad.clone(), None
+    moe.zero_grad()
+    ref = _explicit_capacity_moe(moe, x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
+    for n, p in moe.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def _no_cap(cfg: ModelConfig) -> ModelConfig:
     out = copy.copy(cfg)
     out.capacity_factor = 0.0

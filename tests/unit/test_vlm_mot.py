@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kempnerforge.config.vlm import IMAGE, VLMConfig
+from kempnerforge.config.vlm import IMAGE, TEXT, VLMConfig
 from kempnerforge.model import Transformer
 from kempnerforge.model.attention import causal_key_mask
 from kempnerforge.model.rope import apply_rope
@@ -224,4 +224,21 @@ def test_bad_inputs_and_configs_are_refused():
 def test_dispatch_rejects_unequal_modality_counts():
     modality = torch.tensor([[IMAGE, 0, 0], [IMAGE, IMAGE, 0]])
     with pytest.raises(ValueError, match="same number of tokens"):
-        ModalityDispatch(modality)
+        ModalityDispatch.from_modality(modality)
+
+
+@pytest.mark.parametrize(
+    "segments", [[(IMAGE, 3), (TEXT, 4)], [(TEXT, 2), (IMAGE, 2), (TEXT, 1)], [(TEXT, 5)]], ids=str
+)
+def test_dispatch_from_the_host_layout_gathers_and_scatters_exactly(segments):
+    """The host layout (slices) picks the same tokens as the modality ids select, in sequence order,
+    and scatter inverts gather; from_modality reads the same layout back from the tensor."""
+    ids = torch.tensor([m for m, n in segments for _ in range(n)]).expand(2, -1)
+    x = torch.randn(2, ids.shape[1], 5)
+    host, read = ModalityDispatch(segments), ModalityDispatch.from_modality(ids)
+    assert host.lengths == read.lengths == [int((ids[0] == m).sum()) for m in range(len(MODALITY_NAMES))]
+    parts = [host.gather(x, m) for m in range(len(MODALITY_NAMES))]
+    for m, part in enumerate(parts):
+        torch.testing.assert_close(part, x[:, ids[0] == m], rtol=0, atol=0)
+        torch.testing.assert_close(read.gather(x, m), part, rtol=0, atol=0)
+    torch.testing.assert_close(host.scatter(parts), x, rtol=0, atol=0)

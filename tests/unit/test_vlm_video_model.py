@@ -48,10 +48,13 @@ def test_padded_frame_pixels_never_reach_real_tokens(arch):
     with torch.no_grad():
         out = model(ids, pixels, text_mask, frame_mask=frame_mask)
         out2 = model(ids, other, text_mask, frame_mask=frame_mask)
+        # The collator's host count of real frames: fixed-size gathers (no read-back), the same values.
+        out3 = model(ids, other, text_mask, frame_mask=frame_mask, real_frames=int(frame_mask.sum()))
         # Unmasked control: the same pixel change, no frame_mask -> the padded clip's real text changes.
         ctl = model(ids, pixels, text_mask)
         ctl2 = model(ids, other, text_mask)
     torch.testing.assert_close(out2[text_mask], out[text_mask], rtol=0, atol=0)
+    torch.testing.assert_close(out3, out2, rtol=0, atol=0)
     assert (ctl2[1][text_mask[1]] - ctl[1][text_mask[1]]).abs().max() > 1e-3
     torch.testing.assert_close(ctl2[0], ctl[0], rtol=0, atol=0)  # the unpadded clip is untouched either way
 
@@ -80,10 +83,14 @@ def test_an_image_is_a_one_frame_clip(arch):
     image = pixels[:, 0]
     with torch.no_grad():
         as_image = model(ids, image, text_mask)
-        as_clip = model(ids, image[:, None], text_mask, frame_mask=torch.ones(2, 1, dtype=torch.bool))
+        ones = torch.ones(2, 1, dtype=torch.bool)
+        as_clip = model(ids, image[:, None], text_mask, frame_mask=ones, real_frames=2)  # all real, known on the host
+        as_masked_clip = model(ids, image[:, None], text_mask, frame_mask=ones)  # the mask goes to attention
         as_unmasked_clip = model(ids, image[:, None], text_mask)
     torch.testing.assert_close(as_clip, as_image, rtol=0, atol=0)
     torch.testing.assert_close(as_unmasked_clip, as_image, rtol=0, atol=0)
+    # The masked kernel differs only at padded text positions (whose labels are ignored).
+    torch.testing.assert_close(as_masked_clip[text_mask], as_image[text_mask], rtol=1e-5, atol=1e-6)
     assert model.visual_tokens(pixels).shape == (2, 3 * model.n_visual, 32)  # F x tokens_per_frame, frame order
     torch.testing.assert_close(model.visual_tokens(pixels)[:, model.n_visual : 2 * model.n_visual],
                                model.visual_tokens(pixels[:, 1]))  # fmt: skip

@@ -198,7 +198,10 @@ class CrossAttentionDecoder(VLMBackbone):
         if visual is not None:
             visual = visual.to(h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, text_mask, visual, visual_mask)
+            # text_mask is right padding: causal queries at real positions never see a padded key, so the
+            # self-attention takes the is_causal kernel (padding_attention_mask); the cross-attention masks
+            # padded visual tokens.
+            h = layer(h, rope, None, visual, visual_mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()

@@ -21,59 +21,100 @@ MODALITY_NAMES: tuple[str, ...] = tuple(_NAMES[i] for i in range(N_MODALITIES))
 
 
 class ModalityDispatch:
-    """Index maps between sequence order and per-modality order for one batch.
+    """Maps between sequence order and per-modality order for one batch, from a layout known on the host.
 
-    Every sample must hold the same number of tokens of each modality (true for
-    :func:`~kempnerforge.model.vlm.base.prefix_sequence`: ``n_visual`` image then ``n_text`` text
-    positions; padding is a mask, not a different count). Inside a modality, tokens keep their
-    sequence order.
+    The layout is a sequence of contiguous segments ``(modality id, length)`` along the sequence, the
+    same in every sample (true for :func:`~kempnerforge.model.vlm.base.prefix_sequence`: ``n_visual``
+    image then ``n_text`` text positions; padding is a mask, not a different count). Gathering a
+    modality is slicing (views, no index tensors) and scattering is one concatenation, so a forward
+    never reads anything back from the device. Inside a modality, tokens keep their sequence order.
 
-    Built once per forward and shared by every block (a plain object, not a dataclass: FSDP2 and
-    activation checkpointing pass it through untouched).
+    Built once per forward and shared by every block (a plain object: FSDP2 and activation
+    checkpointing pass it through untouched).
 
     Args:
-        modality: (batch, seq) int64 modality ids (:data:`~kempnerforge.config.vlm.TEXT` /
-            :data:`~kempnerforge.config.vlm.IMAGE`).
+        segments: ``(modality, length)`` pairs in sequence order (:data:`~kempnerforge.config.vlm.TEXT` /
+            :data:`~kempnerforge.config.vlm.IMAGE`); lengths >= 0.
 
     Attributes:
-        index: per modality id, (batch, n_m) int64 sequence positions of that modality's tokens.
         lengths: per modality id, n_m (tokens per sample; 0 when the modality is absent).
 
     Raises:
-        ValueError: ``modality`` is not 2-D integer, holds an unknown id, or samples differ in how
-            many tokens of a modality they hold.
+        ValueError: an unknown modality id or a negative length.
     """
 
-    def __init__(self, modality: torch.Tensor) -> None:
+    def __init__(self, segments: Sequence[tuple[int, int]]) -> None:
+        for m, n in segments:
+            if m not in _NAMES or n < 0:
+                raise ValueError(
+                    f"segments must be (modality in {list(range(N_MODALITIES))} {MODALITY_NAMES}, length >= 0) "
+                    f"pairs; got {list(segments)}"
+                )
+        self.segments = [(int(m), int(n)) for m, n in segments if n > 0]
+        self.lengths: list[int] = [sum(n for m, n in self.segments if m == mod) for mod in range(N_MODALITIES)]
+        self._runs: list[list[tuple[int, int]]] = [[] for _ in range(N_MODALITIES)]
+        start = 0
+        for m, n in self.segments:
+            self._runs[m].append((start, start + n))
+            start += n
+
+    @classmethod
+    def prefix(cls, n_visual: int, n_text: int) -> ModalityDispatch:
+        """The layout of :func:`~kempnerforge.model.vlm.base.prefix_sequence`: ``n_visual`` image positions, then text."""
+        return cls([(IMAGE, n_visual), (TEXT, n_text)])
+
+    @classmethod
+    def from_modality(cls, modality: torch.Tensor) -> ModalityDispatch:
+        """The layout read from a (batch, seq) int64 tensor of modality ids, for callers that do not know it.
+
+        Reads the tensor back on the host (three synchronizations on an accelerator): the training
+        path builds its dispatch with :meth:`prefix` instead.
+
+        Raises:
+            ValueError: ``modality`` is not 2-D integer, holds an unknown id, or its samples differ.
+        """
         if modality.dim() != 2 or modality.dtype.is_floating_point or modality.dtype == torch.bool:
             raise ValueError(
                 f"modality must be a (batch, seq) integer tensor, got {modality.dtype} {tuple(modality.shape)}"
             )
-        per_sample = torch.stack([(modality == m).sum(1) for m in range(N_MODALITIES)])  # (modalities, batch)
-        if int(per_sample.sum(0).min()) != modality.shape[1]:
+        if bool(((modality < 0) | (modality >= N_MODALITIES)).any()):
             raise ValueError(f"modality holds ids outside {list(range(N_MODALITIES))} ({MODALITY_NAMES}).")
-        if bool((per_sample != per_sample[:, :1]).any()):
+        if bool((modality != modality[:1]).any()):
+            per_sample = torch.stack([(modality == m).sum(1) for m in range(N_MODALITIES)])
             raise ValueError(
-                "every sample must hold the same number of tokens of each modality (pad with masks instead); "
-                f"got per-sample counts {per_sample.tolist()} for modalities {list(MODALITY_NAMES)}."
+                "every sample must hold the same number of tokens of each modality, in the same places (pad "
+                f"with masks instead); got per-sample counts {per_sample.tolist()} for modalities {list(MODALITY_NAMES)}."
             )
-        self.lengths: list[int] = per_sample[:, 0].tolist()
-        # Stable sort by modality id: text positions, then image positions, each in sequence order.
-        order = torch.argsort(modality, dim=1, stable=True)
-        self.index: list[torch.Tensor] = list(order.split(self.lengths, dim=1))
-        self._inverse = torch.argsort(order, dim=1)
+        row = modality[0].tolist()
+        segments: list[tuple[int, int]] = []
+        for m in row:
+            if segments and segments[-1][0] == m:
+                segments[-1] = (m, segments[-1][1] + 1)
+            else:
+                segments.append((m, 1))
+        return cls(segments)
 
     def gather(self, x: torch.Tensor, modality: int) -> torch.Tensor:
         """The tokens of ``modality``: x (batch, seq, *rest) -> (batch, n_m, *rest), in sequence order."""
-        idx = self.index[modality]
-        return torch.gather(x, 1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
+        runs = self._runs[modality]
+        if len(runs) == 1:
+            return x[:, runs[0][0] : runs[0][1]]
+        if not runs:
+            return x[:, :0]
+        return torch.cat([x[:, a:b] for a, b in runs], dim=1)
 
     def scatter(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`gather`: per-modality parts (batch, n_m, *rest), in modality-id order,
         back to (batch, seq, *rest) in sequence order."""
-        joined = torch.cat(list(parts), dim=1)
-        inv = self._inverse
-        return torch.gather(joined, 1, inv.view(*inv.shape, *([1] * (joined.dim() - 2))).expand_as(joined))
+        offsets = [0] * N_MODALITIES
+        pieces = []
+        for m, n in self.segments:
+            pieces.append(parts[m][:, offsets[m] : offsets[m] + n])
+            offsets[m] += n
+        # An absent modality's (batch, 0, ...) part joins the concatenation (no values) so its function's
+        # parameters stay in the graph and get zero gradients on every rank.
+        pieces += [part for m, part in enumerate(parts) if self.lengths[m] == 0]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def apply(self, x: torch.Tensor, fns: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
         """``out[tokens of m] = fns[m](x[tokens of m])`` for every modality m; x (batch, seq, d_in)

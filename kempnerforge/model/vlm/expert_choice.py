@@ -16,6 +16,7 @@ same sample. It is for training only; autoregressive decoding (``kforge generate
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,13 +66,16 @@ def expert_choice(scores: torch.Tensor, real: torch.Tensor | None, capacity_fact
         capacity_factor: see :func:`expert_capacity`.
 
     Returns:
-        :class:`ExpertChoice`; slots beyond a sample's capacity are marked invalid.
+        :class:`ExpertChoice`; slots beyond a sample's capacity are marked invalid. ``k`` is the capacity
+        of a sample without padding (a bound known on the host, so nothing is read back from the device).
     """
     bsz, n_tok, n_exp = scores.shape
     if real is None:
         real = torch.ones(bsz, n_tok, dtype=torch.bool, device=scores.device)
     capacity = expert_capacity(real.sum(1), capacity_factor, n_exp)
-    k = int(capacity.max()) if bsz else 0
+    k = (
+        min(n_tok, max(0, math.ceil(n_tok * capacity_factor / n_exp - 1e-9))) if bsz else 0
+    )  # expert_capacity on the host
     masked = scores.detach().float().masked_fill(~real[..., None], float("-inf")).transpose(1, 2)
     token = masked.topk(k, dim=-1).indices  # (batch, experts, k)
     valid = torch.arange(k, device=scores.device)[None, None, :] < capacity[:, None, None]
@@ -86,8 +90,8 @@ class ExpertChoiceFFN(nn.Module):
     (:class:`~kempnerforge.model.moe.GroupedExperts`, ``torch._grouped_mm`` where supported).
 
     Not an ``is_moe`` layer: expert parallelism and the token-choice MoE statistics do not apply.
-    ``data_dependent_shapes`` makes per-block ``torch.compile`` refuse it (the rows each expert gets
-    are counted at run time, which full-graph compilation cannot trace).
+    ``data_dependent_shapes`` makes per-block ``torch.compile`` refuse it, as it does MoE layers (its
+    grouped GEMM takes offsets computed on the device; the shapes themselves are fixed).
     After each forward, :attr:`routing` holds the detached :class:`ExpertChoice`.
 
     Args:
@@ -116,12 +120,15 @@ class ExpertChoiceFFN(nn.Module):
         route = expert_choice(gates, real, self.capacity_factor)
         self.routing = route
         # Rows grouped by expert (the layout GroupedExperts wants): (experts, batch, k) flattened row-major.
+        # Every slot is a row (fixed shapes, no host sync); slots beyond a sample's capacity (padding) are
+        # computed and weighted 0, so they change neither the output nor any gradient.
         token = route.token.permute(1, 0, 2)
-        keep = route.valid.permute(1, 0, 2)
+        keep = route.valid.permute(1, 0, 2).reshape(-1)
         sample = torch.arange(bsz, device=x.device)[None, :, None].expand_as(token)
-        expert = torch.arange(self.num_experts, device=x.device)[:, None, None].expand_as(token)
-        flat = (sample * n_tok + token)[keep]  # (rows,) index into x.reshape(-1, dim)
-        routed = self.experts(x.reshape(-1, dim)[flat], keep.sum(dim=(1, 2)))
-        gate = gates.reshape(-1, self.num_experts)[flat, expert[keep]].to(routed.dtype)
+        expert = torch.arange(self.num_experts, device=x.device)[:, None, None].expand_as(token).reshape(-1)
+        flat = (sample * n_tok + token).reshape(-1)  # (rows,) index into x.reshape(-1, dim)
+        counts = torch.full((self.num_experts,), bsz * token.shape[-1], dtype=torch.long, device=x.device)
+        routed = self.experts(x.reshape(-1, dim)[flat], counts)
+        gate = gates.reshape(-1, self.num_experts)[flat, expert] * keep
         out = torch.zeros(bsz * n_tok, dim, dtype=routed.dtype, device=x.device)
-        return out.index_add(0, flat, routed * gate[:, None]).view(bsz, n_tok, dim)
+        return out.index_add(0, flat, routed * gate[:, None].to(routed.dtype)).view(bsz, n_tok, dim)

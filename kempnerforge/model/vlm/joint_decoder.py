@@ -13,7 +13,7 @@ from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
-from kempnerforge.model.attention import causal_key_mask
+from kempnerforge.model.attention import padding_attention_mask
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import pack_rope, rope_tables
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
@@ -50,8 +50,9 @@ class JointDecoder(VLMBackbone):
     """LLaVA-style backbone: ``[visual tokens; text tokens]`` through the dense decoder.
 
     Shapes: see :class:`~kempnerforge.model.vlm.base.VLMBackbone`; the self-attention sees
-    ``n_visual + n_text`` positions (RoPE positions 0.. over the joint sequence). Padded visual or
-    text positions are hidden as keys (``key_mask``).
+    ``n_visual + n_text`` positions (RoPE positions 0.. over the joint sequence). Padded visual
+    positions are hidden as keys; right-padded text needs no mask under causal attention
+    (:func:`~kempnerforge.model.attention.padding_attention_mask`).
     """
 
     # The dense decoder's weight init and tying apply unchanged (same module names and types).
@@ -97,8 +98,9 @@ class JointDecoder(VLMBackbone):
                 f"{self.rope_cos.shape[0]}"
             )
         rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
-        # One (batch, 1, seq, seq) mask for every layer instead of one per layer's attention.
-        mask = None if key_mask is None else causal_key_mask(key_mask)
+        # One mask for every layer. Text is right-padded, so with every visual token real the is_causal
+        # kernel runs (None); padded video frames before the text need a mask.
+        mask = padding_attention_mask(key_mask, right_padded=visual_mask is None)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         n_text = input_ids.shape[1]

@@ -79,12 +79,18 @@ class VisionLanguageModel(nn.Module):
         self.connector.init_weights(seed, prefix="connector")
         self.backbone.init_weights(seed)
 
-    def visual_tokens(self, pixel_values: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def visual_tokens(
+        self, pixel_values: torch.Tensor, frame_mask: torch.Tensor | None = None, real_frames: int | None = None
+    ) -> torch.Tensor:
         """Visual tokens in the text width; the frozen encoder runs without autograd.
 
         Args:
             pixel_values: (batch, 3, H, W) images, or (batch, frames, 3, H, W) clips.
             frame_mask: (batch, frames) bool, True at real frames (clips only; None: all real).
+            real_frames: the number of True entries of ``frame_mask`` when the caller knows it on the host
+                (the video collator does): the real frames are then gathered with fixed sizes
+                (``nonzero_static``) instead of boolean indexing, which reads the mask back from the device
+                twice per forward.
 
         Returns:
             (batch, n_visual, dim) for images; (batch, frames * n_visual, dim) for clips, frame by
@@ -107,10 +113,15 @@ class VisionLanguageModel(nn.Module):
             return self._encode(pixel_values.flatten(0, 1)).unflatten(0, (bsz, frames)).flatten(1, 2)
         if frame_mask.shape != (bsz, frames):
             raise ValueError(f"frame_mask must be (batch, frames) = {(bsz, frames)}; got {tuple(frame_mask.shape)}.")
-        real = self._encode(pixel_values[frame_mask])  # (real frames, n_visual, dim): padding never encoded
-        tokens = real.new_zeros(bsz, frames, *real.shape[1:])
-        tokens[frame_mask] = real
-        return tokens.flatten(1, 2)
+        if real_frames is None:  # boolean indexing: two host syncs
+            real = self._encode(pixel_values[frame_mask])  # (real frames, n_visual, dim): padding never encoded
+            tokens = real.new_zeros(bsz, frames, *real.shape[1:])
+            tokens[frame_mask] = real
+            return tokens.flatten(1, 2)
+        idx = torch.nonzero_static(frame_mask.reshape(-1), size=real_frames).squeeze(1)
+        real = self._encode(pixel_values.flatten(0, 1).index_select(0, idx))
+        tokens = real.new_zeros(bsz * frames, *real.shape[1:]).index_copy(0, idx, real)
+        return tokens.view(bsz, frames * real.shape[1], *real.shape[2:])
 
     def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.encoder.frozen):
@@ -124,13 +135,18 @@ class VisionLanguageModel(nn.Module):
         text_mask: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
         frame_mask: torch.Tensor | None = None,
+        real_frames: int | None = None,
     ) -> torch.Tensor:
         """Text logits (batch, text, vocab_size); see the class docstring for shapes.
 
         ``frame_mask`` (batch, frames) expands to the visual tokens (``n_visual`` per frame) and is
-        combined with ``visual_mask`` when both are given.
+        combined with ``visual_mask`` when both are given. ``real_frames`` (its number of True entries,
+        known on the host) avoids reading the mask back (:meth:`visual_tokens`); when it says every
+        frame is real the mask is dropped, so attention keeps the is_causal kernel.
         """
-        visual = None if pixel_values is None else self.visual_tokens(pixel_values, frame_mask)
+        if frame_mask is not None and real_frames is not None and real_frames == frame_mask.numel():
+            frame_mask = None  # nothing padded (known on the host)
+        visual = None if pixel_values is None else self.visual_tokens(pixel_values, frame_mask, real_frames)
         if frame_mask is not None:
             per_token = frame_mask.repeat_interleave(self.n_visual, dim=1)
             visual_mask = per_token if visual_mask is None else visual_mask & per_token

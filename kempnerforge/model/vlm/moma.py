@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.nn.attention.flex_attention import BlockMask
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
@@ -46,8 +47,8 @@ class MoMaBlock(nn.Module):
     Norms and attention are shared by all modalities (as the paper); the FFN is per modality.
 
     Shapes: forward(x (batch, seq, dim), rope (2, seq, head_dim) int32 (packed RoPE tables,
-    :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, seq) bool or None, dispatch) -> (batch, seq,
-    dim). Padded positions (``key_mask`` False) take no expert capacity.
+    :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, seq) bool or None, dispatch, attn_mask) ->
+    (batch, seq, dim). Padded positions (``key_mask`` False) take no expert capacity.
     """
 
     def __init__(self, config: ModelConfig, vlm: VLMConfig) -> None:
@@ -66,10 +67,12 @@ class MoMaBlock(nn.Module):
         rope: torch.Tensor,
         key_mask: torch.Tensor | None,
         dispatch: ModalityDispatch,
+        attn_mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
-        """Apply the block to ``x`` (batch, seq, dim)."""
+        """Apply the block to ``x`` (batch, seq, dim); ``attn_mask`` is the backbone's attention mask,
+        ``key_mask`` keeps padded positions out of the expert choice."""
         cos, sin = unpack_rope(rope)
-        h = x + self.attention(self.attention_norm(x), cos, sin, key_mask)
+        h = x + self.attention(self.attention_norm(x), cos, sin, attn_mask)
         normed = self.ffn_norm(h)
         parts = []
         for m, name in enumerate(MODALITY_NAMES):

@@ -17,14 +17,14 @@ and :meth:`MoTBackbone.load_text_state_dict` copies a text checkpoint into every
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.nn.attention.flex_attention import BlockMask
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
-from kempnerforge.model.attention import causal_key_mask
+from kempnerforge.model.attention import attend
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import apply_rope, unpack_rope
@@ -52,7 +52,7 @@ class MoTAttention(nn.Module):
     token is projected by its own modality's weights (MoT, arXiv:2411.04996, Algorithm 1).
 
     Shapes: forward(parts (per modality id: (batch, n_m, dim), normed), cos (seq, head_dim), sin (seq,
-    head_dim), key_mask (batch, seq) bool or None, dispatch) -> (batch, seq, dim) in sequence order.
+    head_dim), mask (see :func:`~kempnerforge.model.attention.attend`), dispatch) -> (batch, seq, dim) in sequence order.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -81,22 +81,19 @@ class MoTAttention(nn.Module):
         parts: list[torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
-        key_mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockMask | None,
         dispatch: ModalityDispatch,
     ) -> torch.Tensor:
         """Causal self-attention over the whole sequence from its per-modality parts (already gathered
-        and normed, so each modality's tokens are gathered once for Q, K and V); padded keys
-        (``key_mask`` False) are hidden from every query (:func:`~kempnerforge.model.attention.causal_key_mask`)."""
+        and normed, so each modality's tokens are gathered once for Q, K and V) under ``mask``
+        (:func:`~kempnerforge.model.attention.attend`: None is the is_causal kernel; padded keys are
+        hidden by :func:`~kempnerforge.model.attention.padding_attention_mask`)."""
         q = apply_rope(self._project(parts, dispatch, self.wq, self.q_norm), cos, sin)
         k = apply_rope(self._project(parts, dispatch, self.wk, self.k_norm), cos, sin)
         v = self._project(parts, dispatch, self.wv, None)
         bsz, seq = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        gqa = q.shape[1] != k.shape[1]
-        if key_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_key_mask(key_mask), enable_gqa=gqa)
+        out = attend(q, k, v, mask)
         return dispatch.apply(out.transpose(1, 2).reshape(bsz, seq, -1), _fns(self.wo))
 
 
@@ -106,7 +103,8 @@ class MoTBlock(nn.Module):
     token's modality's weights and one global attention (arXiv:2411.04996, sec. 2.2).
 
     Shapes: forward(x (batch, seq, dim), rope (2, seq, head_dim) int32 (packed RoPE tables,
-    :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, seq) bool or None, dispatch) -> (batch, seq, dim).
+    :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, seq) bool or None, dispatch, attn_mask) ->
+    (batch, seq, dim).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -126,11 +124,13 @@ class MoTBlock(nn.Module):
         rope: torch.Tensor,
         key_mask: torch.Tensor | None,
         dispatch: ModalityDispatch,
+        attn_mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
-        """Apply the block to ``x`` (batch, seq, dim)."""
+        """Apply the block to ``x`` (batch, seq, dim); ``attn_mask`` is the backbone's attention mask
+        (``key_mask`` is not needed: padding is in ``attn_mask``)."""
         cos, sin = unpack_rope(rope)
         normed = [self.attention_norm[name](dispatch.gather(x, m)) for m, name in enumerate(MODALITY_NAMES)]
-        h = x + self.attention(normed, cos, sin, key_mask, dispatch)
+        h = x + self.attention(normed, cos, sin, attn_mask, dispatch)
         return h + dispatch.apply(h, [self._ffn(name) for name in MODALITY_NAMES])
 
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
+from kempnerforge.model.attention import padding_attention_mask
 from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.init import canonical_fqn, copy_full_
 from kempnerforge.model.norm import RMSNorm
@@ -32,8 +33,10 @@ from kempnerforge.model.vlm.dispatch import ModalityDispatch
 class PrefixBackbone(VLMBackbone):
     """Embedding, ``layers`` of modality-aware blocks, final RMSNorm and output head over ``[visual; text]``.
 
-    Subclasses build ``self.layers`` (blocks called as ``block(h, cos, sin, key_mask, dispatch)``,
-    see :class:`~kempnerforge.model.vlm.dispatch.ModalityDispatch`), define :meth:`block_tp_plan`,
+    Subclasses build ``self.layers`` (blocks called as ``block(h, rope, key_mask, dispatch, attn_mask)``:
+    ``key_mask`` (batch, seq) bool or None marks real positions, ``attn_mask`` is the self-attention mask
+    for :func:`~kempnerforge.model.attention.attend`, built once per forward; see
+    :class:`~kempnerforge.model.vlm.dispatch.ModalityDispatch`), define :meth:`block_tp_plan`,
     and may override :meth:`seed_fqn` (init) and :meth:`text_key` / :meth:`from_text` (warm start).
 
     Shapes: see :class:`~kempnerforge.model.vlm.base.VLMBackbone`; RoPE ``rope_cos`` / ``rope_sin``
@@ -85,12 +88,14 @@ class PrefixBackbone(VLMBackbone):
         """
         self._check_inputs(input_ids, visual, text_mask, visual_mask)
         n_vis = 0 if visual is None else visual.shape[1]
-        h, key_mask, modality = prefix_sequence(visual, self.tok_embeddings(input_ids), visual_mask, text_mask)
-        dispatch = ModalityDispatch(modality)
+        h, key_mask, _ = prefix_sequence(visual, self.tok_embeddings(input_ids), visual_mask, text_mask)
+        dispatch = ModalityDispatch.prefix(n_vis, input_ids.shape[1])  # the layout is known on the host
+        # Right-padded text with every visual token real: the is_causal kernel (see padding_attention_mask).
+        attn_mask = padding_attention_mask(key_mask, right_padded=visual_mask is None)
         seq = h.shape[1]
         rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
         for layer in self.layers.values():
-            h = layer(h, rope, key_mask, dispatch)
+            h = layer(h, rope, key_mask, dispatch, attn_mask)
         return self.output(self.norm(h[:, n_vis:]))
 
     def _check_inputs(self, input_ids, visual, text_mask, visual_mask) -> None:
