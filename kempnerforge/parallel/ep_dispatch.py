@@ -14,6 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+#: ``kforge estimate`` sets this while it simulates a step on fake tensors, which hold no counts to read back:
+#: ``hook(x, ep) -> (send_splits, recv_splits)`` gives the rows per EP rank under the routing it assumes
+#: (:func:`kempnerforge.estimate.fake_ops.balanced_routing`). None (always, in training): the counts are read.
+SPLITS_HOOK: Callable[[torch.Tensor, int], tuple[list[int], list[int]]] | None = None
+
 
 def dispatch_combine(
     x: torch.Tensor,
@@ -43,13 +48,19 @@ def dispatch_combine(
     # How many rows every source rank sends to each of my local experts: (ep * E_local,) laid out (src, e).
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
-    send_splits = counts.view(ep, e_local).sum(1).tolist()
     recv_by_src = recv_counts.view(ep, e_local)
-    recv_splits = recv_by_src.sum(1).tolist()
+    if SPLITS_HOOK is not None:
+        send_splits, recv_splits = SPLITS_HOOK(x, ep)
+    else:  # the dispatch's device-to-host sync: the split sizes of both all-to-alls
+        send_splits = counts.view(ep, e_local).sum(1).tolist()
+        recv_splits = recv_by_src.sum(1).tolist()
     received = all_to_all_single_autograd(x, recv_splits, send_splits, group)
     # Received rows are blocks (src, local expert); the grouped GEMM wants them grouped by local expert.
     block_sizes = recv_by_src.flatten()
-    block_id = torch.repeat_interleave(torch.arange(block_sizes.numel(), device=x.device), block_sizes)
+    # output_size from the host-side splits: no second readback of block_sizes.
+    block_id = torch.repeat_interleave(
+        torch.arange(block_sizes.numel(), device=x.device), block_sizes, output_size=sum(recv_splits)
+    )
     expert_of_row = block_id % e_local
     perm = torch.argsort(expert_of_row * ep + block_id // e_local, stable=True)
     out_local = local_fn(received[perm], recv_by_src.sum(0))
