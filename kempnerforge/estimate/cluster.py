@@ -8,6 +8,7 @@ all-reduces all run here with the shapes and groups of the real cluster. Values 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -77,8 +78,8 @@ def clear_dtensor_caches() -> None:
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """Initialize a fake default process group of ``world_size`` ranks as ``rank``; destroy it on exit.
 
-    Lightning's ``rank_zero_only.rank`` (which Lightning sets from the strategy's global rank) is restored on
-    exit too, and DTensor's mesh-keyed caches are cleared on entry and exit (:func:`clear_dtensor_caches`),
+    Lightning's ``rank_zero_only.rank`` (which Lightning sets from the strategy's global rank) and
+    ``sys.excepthook`` (which ``init_process_group`` wraps with a rank prefix) are restored on exit too, and DTensor's mesh-keyed caches are cleared on entry and exit (:func:`clear_dtensor_caches`),
     so code that runs after an estimate in the same process is unaffected.
 
     Raises:
@@ -89,7 +90,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
             "kforge estimate needs its own (fake) process group, but one is already initialized in this process; "
             "run the estimate in a fresh process or destroy the group first."
         )
-    saved = getattr(rank_zero_only, "rank", 0)
+    saved = getattr(rank_zero_only, "rank", 0), sys.excepthook  # init_process_group chains a "[rankN]:" hook
     clear_dtensor_caches()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -98,4 +99,4 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         if dist.is_initialized():
             dist.destroy_process_group()
         clear_dtensor_caches()
-        rank_zero_only.rank = saved
+        rank_zero_only.rank, sys.excepthook = saved

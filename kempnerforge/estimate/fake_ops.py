@@ -202,4 +202,17 @@ class AnalyticFallback:
         self.add_flops(flops)
         params = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters() if p.requires_grad]
         buffer = torch.empty(saved, dtype=torch.uint8, device=x.device)
+        if getattr(module, "is_moe", False):
+            _neutral_moe_outputs(module, x)
         return _StandIn.apply(x, buffer, self.add_flops, 2 * flops, *params)
+
+
+def _neutral_moe_outputs(moe: nn.Module, x: torch.Tensor) -> None:
+    """What the module's loss path reads from an MoE layer after its forward (``aux_loss``, ``stats``), as
+    zeros: the layer's forward did not finish, and its balance losses are scalars (no memory to count)."""
+    from kempnerforge.model.moe import MoEStats
+
+    zero = torch.zeros((), device=x.device)
+    counts = torch.zeros(moe.config.num_experts, device=x.device)
+    moe.aux_loss = zero
+    moe.stats = MoEStats(counts, zero, x.numel() // x.shape[-1] * moe.config.top_k, zero, zero, zero)

@@ -4,7 +4,8 @@
 metadata with their neighbours; on a fake process group nothing arrives, and its warm-up vote reads a
 received value back to the host. :class:`SimulatedSchedule` replaces only that exchange: it runs the real
 schedule's per-rank action list (``pipeline_order``: F, B, I, W, REDUCE_GRAD, in the order the real
-schedule would) through torch's own ``PipelineStage`` methods (``backward_maybe_with_nosync``, which sets
+schedule would; for the one-stage-per-rank schedules, their executed order: :func:`single_stage_actions`)
+through torch's own ``PipelineStage`` methods (``backward_maybe_with_nosync``, which sets
 FSDP2's no-sync flags, and ``perform_reduce_grad``, which runs the reduce-scatter after the last micro-batch),
 with a fresh fake tensor standing in for each received activation or gradient. The rank therefore holds
 exactly the activations the real schedule keeps in flight. Sent and received bytes are counted.
@@ -24,9 +25,31 @@ from torch.distributed.pipelining.schedules import (
     FULL_BACKWARD,
     OVERLAP_F_B,
     REDUCE_GRAD,
+    _Action,
 )
 
-from kempnerforge.parallel.pipeline import build_schedule
+from kempnerforge.parallel.pipeline import SINGLE_STAGE, build_schedule
+
+
+def single_stage_actions(schedule: str, stage: int, n_stages: int, n_micro: int) -> list[_Action]:
+    """The compute order of a one-stage-per-rank schedule, as torch 2.13's ``ScheduleGPipe`` /
+    ``Schedule1F1B._step_microbatches`` run it (their ``pipeline_order`` tables are descriptive only and do not
+    match the executed order): GPipe runs every forward, then every backward; 1F1B runs
+    ``min(n_micro, n_stages - stage)`` warm-up forwards, then alternates backward / forward, then the
+    remaining backwards; both reduce gradients at the end."""
+    if schedule == "gpipe":
+        order = [(FORWARD, i) for i in range(n_micro)] + [(FULL_BACKWARD, i) for i in range(n_micro)]
+    else:
+        warmup = min(n_micro, n_stages - stage)
+        order = [(FORWARD, i) for i in range(warmup)]
+        fwd, bwd = warmup, 0
+        while bwd < n_micro:
+            order.append((FULL_BACKWARD, bwd))
+            bwd += 1
+            if fwd < n_micro:
+                order.append((FORWARD, fwd))
+                fwd += 1
+    return [_Action(stage, kind, i) for kind, i in order] + [_Action(stage, REDUCE_GRAD, None)]
 
 
 class _StageCall(nn.Module):
@@ -64,9 +87,13 @@ class SimulatedSchedule:
             s: PipelineStage(mod, s, runner.n_stages, device, group=group)
             for mod, s in zip(runner.stage_modules, runner.ids, strict=True)
         }
-        # The real schedule, built only for its action order (its step would exchange data).
-        real = build_schedule(runner.schedule_name, list(self.stages.values()), runner.microbatches, runner._loss_fn)
-        self.actions = real.pipeline_order[runner.pp_mesh.get_local_rank()]
+        if runner.schedule_name in SINGLE_STAGE:
+            (stage,) = runner.ids
+            self.actions = single_stage_actions(runner.schedule_name, stage, runner.n_stages, runner.microbatches)
+        else:  # the real schedule, built for its action table (the runtime executes it; its step would exchange data)
+            stages = list(self.stages.values())
+            real = build_schedule(runner.schedule_name, stages, runner.microbatches, runner._loss_fn)
+            self.actions = real.pipeline_order[runner.pp_mesh.get_local_rank()]
         self._callers = {s: _StageCall(stage.submod) for s, stage in self.stages.items()}
 
     def _count(self, nbytes: int) -> None:
@@ -84,7 +111,7 @@ class SimulatedSchedule:
         n = self.runner.microbatches
         inputs = torch.tensor_split(args[0], n) if args else None
         targets = torch.tensor_split(target, n) if target is not None else None
-        self._fwd: dict[tuple[int, int], tuple[Any, list[torch.Tensor]]] = {}
+        self._fwd: dict[tuple[int, int], tuple[Any, list[torch.Tensor], Any]] = {}
         self._param_groups: dict[tuple[int, int], Any] = {}
         self._handoff: dict[tuple[str, int, int], torch.Tensor] = {}
         reduced: set[int] = set()
@@ -123,16 +150,17 @@ class SimulatedSchedule:
             x = self._received()
             self._count(x.numel() * x.element_size())
         out = self._callers[s](x)
+        stage_output = out  # the real stage caches its output (the logits, on the last stage) until backward
         if stage.is_last:
             out = self.runner._loss_fn(out, targets[i])
         elif (s + 1) in self.stages:
             self._handoff[("act", s + 1, i)] = out.detach().requires_grad_(True)
         else:
             self._count(out.numel() * out.element_size())
-        self._fwd[(s, i)] = (out, [x])
+        self._fwd[(s, i)] = (out, [x], stage_output)
 
     def _backward(self, stage: PipelineStage, s: int, i: int, kind: str) -> None:
-        out, inputs = self._fwd.pop((s, i))
+        out, inputs, _ = self._fwd.pop((s, i))
         if stage.is_last:
             grads = None
         elif ("grad", s, i) in self._handoff:

@@ -8,8 +8,10 @@ one step (:func:`~kempnerforge.estimate.step.run_step`). The fake process group 
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -27,6 +29,19 @@ class EstimateConfigError(ValueError):
 
 def _quiet(message: str) -> None:
     pass
+
+
+@contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """Silence the fake-tensor logger's tracebacks for kernels probed on fake tensors (e.g. the MoE grouped-GEMM
+    probe, whose refusal is an answer, not an error); a failure that matters still raises."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def simulation_args(fit_args: list[str], num_nodes: int, devices: int) -> list[str]:
@@ -61,7 +76,7 @@ def simulate_rank(
         progress(
             f"rank {rank}: parallelized (TP -> EP -> FP8 -> AC -> FSDP2{', pipeline split' if mesh.dims.pp > 1 else ''})"
         )
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log():
             materialize_fake(build)
             warm_optimizer(build.optimizer)
             progress(f"rank {rank}: one training step (forward, backward, optimizer) on fake tensors")

@@ -67,13 +67,31 @@ class StepMemoryTracker(FSDPMemTracker):
         self.memory_tracking = {}  # strong refs for the estimate's lifetime; see the module docstring
 
 
+class RepeatableMemTracker(MemTracker):
+    """torch's plain ``MemTracker`` that accepts a top-level module called again within one step.
+
+    A pipeline stage runs once per micro-batch; torch's tracker takes a second top-level call for a second
+    iteration and raises. The module's statistics restart instead (the global peak is unaffected).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory_tracking = {}  # see the module docstring
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        again = module in self.memory_tracking and not self._mod_tracker.is_bw
+        if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+
 def make_tracker(roots: Sequence[nn.Module], model: nn.Module, optimizer: torch.optim.Optimizer) -> MemTracker:
     """The tracker for this rank: :class:`StepMemoryTracker` when every root is FSDP2-wrapped, else torch's
-    plain ``MemTracker`` following ``model`` and ``optimizer`` (FSDP2 skipped at one rank in fp32)."""
+    :class:`RepeatableMemTracker` following ``model`` and ``optimizer`` (FSDP2 skipped at one rank in fp32)."""
     if all(isinstance(r, FSDPModule) for r in roots):
         return StepMemoryTracker(roots, optimizer)
-    tracker = MemTracker()
-    tracker.memory_tracking = {}
+    tracker = RepeatableMemTracker()
     tracker.track_external(model, optimizer)
     return tracker
 

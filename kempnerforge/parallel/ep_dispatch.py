@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 #: ``kforge estimate`` sets this while it simulates a step on fake tensors, which hold no counts to read back:
-#: ``hook(x, ep) -> (send_splits, recv_splits)`` gives the rows per EP rank under the routing it assumes
+#: ``hook(x, n) -> (send_splits, recv_splits)`` gives the rows of ``x`` per group (EP rank here, expert in
+#: :func:`kempnerforge.model.moe.grouped_mm`'s loop) under the routing it assumes
 #: (:func:`kempnerforge.estimate.fake_ops.balanced_routing`). None (always, in training): the counts are read.
 SPLITS_HOOK: Callable[[torch.Tensor, int], tuple[list[int], list[int]]] | None = None
 
