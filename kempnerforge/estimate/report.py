@@ -7,6 +7,7 @@ Units: bytes (printed as GB = 1e9 bytes, the unit GPU datasheets use, and GiB wh
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ class ModuleMemory:
     """One tracked module (an FSDP2 unit, or any module when nothing is FSDP-wrapped), first forward call.
 
     Attributes:
-        module: FQN as the tracker names it (the root's class name first).
+        module: FQN under the root (``"<Root> (root)"`` for the root; ``layers.N (xK)`` for K alike blocks).
         gathered_bytes: parameters all-gathered for its forward (unsharded parameters + all-gather buffers).
         activation_bytes: activations still held after its forward (kept for backward).
         peak_bytes: the rank's peak while the module was active (forward or backward).
@@ -46,7 +47,7 @@ class RoleEstimate:
         largest_modules: the modules holding the most (gathered + activation bytes), largest first.
         flops: FLOPs executed by this rank in the step (recomputation included).
         comm: collective bytes per step by ``kind[axis]``; comm_calls: calls.
-        tokens: tokens per micro-batch on this rank.
+        tokens: tokens of this rank's data shard per step (micro_batch_size x seq_len).
         fallbacks: modules counted analytically (``{"module", "reason", "calls", "flops", "activation_bytes"}``).
         step_seconds: time the simulated step took here.
         memory: the tracker summary (peak, per-module snapshots), for programmatic checks; not printed.
@@ -150,19 +151,28 @@ def _first(snaps: dict[str, list[dict[str, int]]], states: tuple[str, ...]) -> d
 
 
 def module_table(memory: dict[str, Any], top: int = 6) -> list[ModuleMemory]:
-    """The ``top`` modules by gathered + activation bytes, from a tracker summary (one entry per tracked module,
-    outermost modules with no measurable forward left out)."""
-    rows = []
+    """The ``top`` module groups by gathered + activation bytes, from a tracker summary.
+
+    Modules whose names differ only in a block index (``layers.3``, ``layers.4``, ...) are one row named
+    ``layers.N (xK)`` with the largest member's numbers; the root's class name is dropped from the names.
+    """
+    groups: dict[str, list[ModuleMemory]] = {}
     for fqn, stats in memory.get("modules", {}).items():
         before, after = _first(stats["snapshots"], BEFORE_FORWARD), _first(stats["snapshots"], AFTER_FORWARD)
         gathered_at = _first(stats["snapshots"], AFTER_PRE_FORWARD) or after
         if before is None or after is None:
             continue
         act = after.get("activations", 0) - before.get("activations", 0)
-        gathered = sum(
-            (gathered_at or {}).get(k, 0) - before.get(k, 0) for k in ("unsharded_params", "all_gather_buffers")
-        )
-        rows.append(ModuleMemory(fqn, max(gathered, 0), max(act, 0), int(stats["peak"])))
+        gathered = sum(gathered_at.get(k, 0) - before.get(k, 0) for k in ("unsharded_params", "all_gather_buffers"))
+        name = fqn.split(".", 1)[1] if "." in fqn else f"{fqn} (root)"
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        key = re.sub(r"(?<=\.)\d+(?=\.|$)", "N", name)
+        groups.setdefault(key, []).append(ModuleMemory(name, max(gathered, 0), max(act, 0), int(stats["peak"])))
+    rows = []
+    for key, members in groups.items():
+        big = max(members, key=lambda m: (m.gathered_bytes + m.activation_bytes, m.peak_bytes))
+        label = f"{key} (x{len(members)})" if len(members) > 1 else big.module
+        rows.append(ModuleMemory(label, big.gathered_bytes, big.activation_bytes, big.peak_bytes))
     rows.sort(key=lambda r: r.gathered_bytes + r.activation_bytes, reverse=True)
     return rows[:top]
 
@@ -213,7 +223,9 @@ def role_estimate(build: Any, rank: int, result: Any) -> RoleEstimate:
 
 
 def gb(n: float) -> str:
-    """Bytes as GB (1e9), two decimals; MB (1e6) below 1 GB."""
+    """Bytes as GB (1e9), two decimals; MB (1e6) below 1 GB, kB below 1 MB."""
+    if abs(n) < 1e6:
+        return f"{n / 1e3:.1f} kB"
     if abs(n) < 1e9:
         return f"{n / 1e6:.1f} MB"
     return f"{n / 1e9:.2f} GB"
@@ -249,12 +261,14 @@ def _format_role(role: RoleEstimate) -> list[str]:
         f"  peak activations {gb(role.peak_activation_bytes):>12}",
         f"  peak memory      {gb(role.peak_bytes):>12}  = "
         + ", ".join(f"{k} {gb(v)}" for k, v in role.peak_breakdown.items() if v >= 1e7),
-        f"  FLOPs per step   {role.flops / 1e12:>9.1f} TFLOP executed on this rank ({role.tokens} tokens per micro-batch)",
+        f"  FLOPs per step   {role.flops / 1e12:>9.1f} TFLOP executed on this rank ({role.tokens} tokens of its data shard per step)",
     ]
     if role.comm:
         lines.append("  collectives per step: " + ", ".join(f"{k} {gb(v)}" for k, v in role.comm.items()))
     if role.largest_modules:
-        lines.append("  largest modules (gathered params + activations kept after forward; local peak):")
+        lines.append(
+            "  largest modules (gathered params + activations kept after forward; peak while active), per unit:"
+        )
         for m in role.largest_modules:
             lines.append(
                 f"    {m.module:<40} {gb(m.gathered_bytes)} + {gb(m.activation_bytes)}; peak {gb(m.peak_bytes)}"

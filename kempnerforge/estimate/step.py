@@ -44,7 +44,7 @@ class StepResult:
         memory: :func:`~kempnerforge.estimate.tracker.memory_summary` of the step (peak by category, modules).
         flops: FLOPs this rank executed (recomputation included).
         comm: ``{"kind[axis]": bytes}``; comm_calls: the same keys, number of calls.
-        tokens: tokens of this rank's micro-batch.
+        tokens: tokens of this rank's data shard per step (micro_batch_size x seq_len).
         fallbacks: modules counted analytically.
         seconds: wall time of the simulated step.
     """

@@ -79,8 +79,10 @@ def test_estimated_peak_within_15_percent_of_gloo_measurement(topology, shakespe
     est = estimate(["--config", str(config)], num_nodes=1, devices=2, alternatives=False)
     expected_roles = 2 if topology == "pp2" else 1
     assert len(est.roles) == expected_roles
-    for role in est.roles:
-        real = measured[role.rank]["peak_bytes"]
+    # Without pipelining the one role stands for both ranks; with pp=2 each rank is its own role.
+    pairs = [(role, m) for role in est.roles for r, m in enumerate(measured) if expected_roles == 1 or r == role.rank]
+    for role, m in pairs:
+        real = m["peak_bytes"]
         assert real > 50e6, measured  # the step is big enough to measure (logits alone are ~200 MB)
         ratio = role.peak_bytes / real
         assert abs(ratio - 1) <= 0.15, (topology, role.rank, role.peak_bytes, real, role.peak_breakdown, measured)
