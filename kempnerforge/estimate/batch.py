@@ -19,7 +19,7 @@ def synthetic_batch(module: Any, datamodule: Any, device: torch.device) -> dict[
         Text (``TokenDataModule``-like, has ``seq_len``): ``input_ids``, ``labels`` (batch, seq) int64, and
         ``doc_ids`` (batch, seq) int64 with ``document_masking``. Vision-language (has ``max_text_len``): also
         ``text_mask`` (batch, text) bool and ``pixel_values`` (batch, 3, H, W) fp32, or (batch, frames, 3, H, W)
-        with ``frame_mask`` (batch, frames) bool when the DataModule has ``max_frames``.
+        when the DataModule has ``max_frames`` (every frame real, so no ``frame_mask``).
 
     Raises:
         ValueError: a DataModule with neither ``seq_len`` nor ``max_text_len`` (its batch shape is unknown).
@@ -41,9 +41,8 @@ def synthetic_batch(module: Any, datamodule: Any, device: torch.device) -> dict[
         image = (getattr(hf, "num_channels", 3), hf.image_size, hf.image_size)
         batch = {**tokens(text), "text_mask": torch.ones(mb, text, dtype=torch.bool, device=device)}
         frames = getattr(datamodule, "max_frames", None)
-        if frames:
+        if frames:  # every clip has max_frames real frames: no frame_mask (the all-true mask's indexing is a no-op)
             batch["pixel_values"] = torch.zeros(mb, frames, *image, device=device)
-            batch["frame_mask"] = torch.ones(mb, frames, dtype=torch.bool, device=device)
         else:
             batch["pixel_values"] = torch.zeros(mb, *image, device=device)
         return batch

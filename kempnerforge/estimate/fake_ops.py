@@ -65,6 +65,32 @@ def balanced_routing() -> Iterator[None]:
         ep_dispatch.SPLITS_HOOK = saved
 
 
+class FakeTensorLimitError(RuntimeError):
+    """A step that cannot run on fake tensors outside what :class:`AnalyticFallback` covers (e.g. a vision
+    encoder or a model-wide index map reading values back to the host); the message names the code."""
+
+
+def describe_failure(err: BaseException) -> str:
+    """Where a fake-tensor failure happened: the innermost project frame (and the module whose method it is)
+    and the op, e.g. ``"ModalityDispatch.__init__ (kempnerforge/model/vlm/dispatch.py:53), inside
+    MoTBackbone.forward: aten._local_scalar_dense.default"``."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if "/kempnerforge/" in code.co_filename and "/kempnerforge/estimate/" not in code.co_filename:
+            owner = tb.tb_frame.f_locals.get("self")
+            where = f"{type(owner).__name__}.{code.co_name}" if owner is not None else code.co_name
+            path = code.co_filename[code.co_filename.rindex("/kempnerforge/") + 1 :]
+            frames.append((where, f"{path}:{tb.tb_lineno}", isinstance(owner, nn.Module)))
+        tb = tb.tb_next
+    op = getattr(err, "func", None) or err
+    if not frames:
+        return str(op)
+    where, at, _ = frames[-1]
+    module = next((w for w, _, is_module in reversed(frames[:-1]) if is_module), None)
+    return f"{where} ({at})" + (f", inside {module}" if module else "") + f": {op}"
+
+
 @contextmanager
 def separate_sharding_propagation() -> Iterator[None]:
     """Run DTensor's sharding propagation under its own ``FakeTensorMode`` while simulating.

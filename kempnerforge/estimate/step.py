@@ -23,9 +23,12 @@ from kempnerforge.estimate.batch import synthetic_batch
 from kempnerforge.estimate.build import RankBuild
 from kempnerforge.estimate.counters import StepCounter, axis_of_group
 from kempnerforge.estimate.fake_ops import (
+    FAKE_TENSOR_ERRORS,
     AnalyticFallback,
+    FakeTensorLimitError,
     FallbackRecord,
     balanced_routing,
+    describe_failure,
     separate_sharding_propagation,
 )
 from kempnerforge.estimate.pipeline_sim import SimulatedSchedule
@@ -82,7 +85,10 @@ def _hidden_dtype(build: RankBuild) -> torch.dtype:
 def run_step(build: RankBuild) -> StepResult:
     """Run one training step of ``build`` (materialized, optimizer warm) under the memory tracker and counters.
 
-    Call inside ``FakeTensorMode``; works the same with real tensors (the measured runs of the tests).
+    Call inside ``FakeTensorMode``.
+
+    Raises:
+        FakeTensorLimitError: the step cannot run on fake tensors outside what the analytic fallback covers.
     """
     module, strategy, model, optimizer = build.module, build.strategy, build.model, build.optimizer
     device = strategy.root_device
@@ -119,6 +125,11 @@ def run_step(build: RankBuild) -> StepResult:
             module._moe_step()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    except FAKE_TENSOR_ERRORS as err:
+        raise FakeTensorLimitError(
+            f"cannot simulate the step on fake tensors: {describe_failure(err)} needs tensor values or a kernel "
+            "fake tensors do not have, outside the blocks the analytic fallback covers"
+        ) from err
     finally:
         del module.log
     seconds = time.perf_counter() - start

@@ -67,16 +67,30 @@ class StepMemoryTracker(FSDPMemTracker):
         self.memory_tracking = {}  # strong refs for the estimate's lifetime; see the module docstring
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
 class RepeatableMemTracker(MemTracker):
-    """torch's plain ``MemTracker`` that accepts a top-level module called again within one step.
+    """torch's plain ``MemTracker`` that accepts a top-level module called again within one step, and frozen
+    parameters.
 
     A pipeline stage runs once per micro-batch; torch's tracker takes a second top-level call for a second
-    iteration and raises. The module's statistics restart instead (the global peak is unaffected).
+    iteration and raises. The module's statistics restart instead (the global peak is unaffected). It also
+    registers a gradient hook on every parameter, which a frozen one (``requires_grad=False``, e.g. a VLM's
+    encoder) refuses: those are tracked without a hook (they get no gradient).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.memory_tracking = {}  # see the module docstring
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        for p in module.parameters():
+            if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         name = self._mod_tracker.get_known_fqn(module)

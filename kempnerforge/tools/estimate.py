@@ -6,7 +6,8 @@
 
 Every argument that is not one of the estimate's own is a ``kforge fit`` argument (``--config`` and
 overrides), parsed by the same CLI. The report goes to stdout, progress lines to stderr. Exit status: 0 it
-fits, 3 it does not fit, 2 bad input (one ``kforge: error: ...`` line, before anything is built).
+fits, 3 it does not fit, 2 bad input (one ``kforge: error: ...`` line, before anything is built), 1 a step the
+simulation cannot run (one line naming the code).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def estimate_main(argv: list[str]) -> None:
     """Entry point of ``kforge estimate`` (``argv`` without the subcommand).
 
     Raises:
-        SystemExit: 2 on bad input, 3 when the configuration does not fit.
+        SystemExit: 2 on bad input, 3 when the configuration does not fit, 1 when the step cannot be simulated.
     """
     parser = build_parser()
     if any(a in ("-h", "--help") for a in argv):
@@ -75,6 +76,7 @@ def estimate_main(argv: list[str]) -> None:
     _check(args, fit_args, parser)
 
     from kempnerforge.estimate import estimate, format_text
+    from kempnerforge.estimate.fake_ops import FakeTensorLimitError
     from kempnerforge.estimate.run import EstimateConfigError
 
     def progress(message: str) -> None:
@@ -91,6 +93,9 @@ def estimate_main(argv: list[str]) -> None:
         )
     except EstimateConfigError as err:
         parser.error(str(err))
+    except FakeTensorLimitError as err:  # not bad input: a limit of the simulation, named
+        print(f"kforge: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from err
     print(format_text(est))
     if args.json:
         est.write_json(args.json)

@@ -170,3 +170,30 @@ def test_optimizer_overlay_is_estimated(overlay):
     ratio = role.optimizer_bytes / role.params_bytes
     assert low - 0.01 <= ratio <= high + 0.01, ratio
     assert est.verdict.fits and role.peak_bytes > role.params_bytes + role.optimizer_bytes
+
+
+def test_a_step_outside_the_fallback_is_named_not_crashed(monkeypatch):
+    """A data-dependent op outside the blocks (here injected into the model's document mask) ends the estimate
+    with one line naming the code, exit status 1, and a torn-down fake world."""
+    import kempnerforge.model.transformer as transformer
+
+    real = transformer.document_causal_mask
+
+    def data_dependent_mask(doc_ids):
+        doc_ids.nonzero()  # an output shape only values decide
+        return real(doc_ids)
+
+    monkeypatch.setattr(transformer, "document_causal_mask", data_dependent_mask)
+    proc = kforge_in_process("estimate", "--config", DEBUG, "--num_nodes", "1", "--devices_per_node", "1",
+                             "--data.document_masking=true", *SHORT)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = _last_line(proc.stderr)
+    assert last.startswith("kforge: error: cannot simulate the step on fake tensors: Transformer.forward ("), last
+    assert "kempnerforge/model/transformer.py:" in last and "nonzero" in last
+    assert not dist.is_initialized()
+
+
+def test_video_vlm_is_estimated_with_full_clips():
+    est = estimate(["--config", str(REPO / "configs" / "vlm_video.yaml")], 1, 1, alternatives=False)
+    (role,) = est.roles
+    assert est.verdict.fits and role.flops > 0 and not role.fallbacks
