@@ -6,7 +6,7 @@ FSDP2, TP (DTensor redistribution), EP (all-to-all) and the loss issue, with the
 
 - FLOPs: ``torch.utils.flop_counter``'s formulas (matmuls, SDPA kernels), plus the kernels it has no entry
   for that our models run: the CPU flash-attention kernels (the simulation runs on CPU; same FLOPs as the
-  CUDA kernels) and ``torch._grouped_mm`` (MoE experts). Activation recomputation is included: these are
+  CUDA kernels), ``torch._grouped_mm`` (MoE experts) and in-place matmuls (``addmm_``, in the fused head + loss). Activation recomputation is included: these are
   the FLOPs executed, not the model FLOPs of the 6N rule.
 - Collectives: bytes per kind (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``,
   ``broadcast``, ``send_recv``) and mesh axis (``tp``, ``dp_shard``, ``ep``, ...), sized as torch's
@@ -87,6 +87,11 @@ for _name, _fn in (
 ):
     if hasattr(aten, _name):
         EXTRA_FLOPS[getattr(aten, _name)] = _fn
+# In-place variants count as their out-of-place op (e.g. ``addmm_``, which the fused head + loss uses).
+for _packet, _fn in list(flop_registry.items()):
+    _inplace = getattr(aten, f"{getattr(_packet, '__name__', '')}_", None)
+    if _inplace is not None and _inplace not in flop_registry:
+        EXTRA_FLOPS[_inplace] = _fn
 
 
 class StepCounter(TorchDispatchMode):

@@ -83,6 +83,8 @@ class Suggestion:
         peak_bytes: the predicted peak per rank after the change.
         how: ``"estimated"`` (simulated again with the change) or ``"reasoned"`` (scaled from the breakdown).
         fits: whether the predicted peak fits.
+        flops_per_token: the worst role's executed FLOPs per token after the change (estimated suggestions;
+            None when reasoned): the compute cost of the change (e.g. recomputation).
     """
 
     knob: str
@@ -90,6 +92,7 @@ class Suggestion:
     peak_bytes: int
     how: str
     fits: bool
+    flops_per_token: float | None = None
 
 
 @dataclass
@@ -245,9 +248,12 @@ def format_text(est: Estimate) -> str:
         lines.append(f"note: {note}")
     if est.verdict is not None:
         lines.append(est.verdict.summary)
+        worst = max(est.roles, key=lambda r: r.peak_bytes)
         for s in est.verdict.suggestions:
             fits = "fits" if s.fits else "still too big"
-            lines.append(f"  - {s.knob}: {s.change} -> peak {gb(s.peak_bytes)} per rank ({s.how}; {fits})")
+            now = worst.flops / max(worst.tokens, 1)
+            cost = f", {100 * (s.flops_per_token / now - 1):+.0f}% FLOPs per token" if s.flops_per_token and now else ""
+            lines.append(f"  - {s.knob}: {s.change} -> peak {gb(s.peak_bytes)} per rank ({s.how}{cost}; {fits})")
     lines.append(f"(simulated in {est.seconds:.0f} s)")
     return "\n".join(lines)
 

@@ -131,9 +131,10 @@ def estimate(
     )
     worst = max(results, key=lambda r: r.peak_bytes)
 
-    def reestimate(overrides: list[str]) -> int:
+    def reestimate(overrides: list[str]) -> tuple[int, int]:
         progress(f"estimating the alternative {' '.join(overrides)}")
-        return simulate_rank([*fit_args, *overrides], num_nodes, devices, worst.rank, progress)[1].peak_bytes
+        role = simulate_rank([*fit_args, *overrides], num_nodes, devices, worst.rank, progress)[1]
+        return role.peak_bytes, role.flops / max(role.tokens, 1)
 
     subclass = uses_class_paths(fit_args)
     est.verdict = verdict(

@@ -6,7 +6,8 @@ outside the caching allocator) and loses some memory to allocator fragmentation;
 
 When a configuration does not fit, candidates are scored:
 
-- estimated (simulated again on the worst role, with the one change): ``activation_checkpointing=full``,
+- estimated (simulated again on the worst role, with the one change): ``activation_checkpointing`` =
+  ``selective_op`` (from none / selective) and ``full``,
   a halved ``data.micro_batch_size``, ``model.loss_chunk_size`` (the fused head + loss never holds the full
   logits), the knobs whose effect on activations is not proportional;
 - reasoned from the peak's breakdown: more GPUs for FSDP2 (parameters, gradients and optimizer states
@@ -85,7 +86,7 @@ def verdict(
     strategy: Any,
     datamodule: Any,
     subclass_mode: bool = False,
-    reestimate: Callable[[list[str]], int] | None = None,
+    reestimate: Callable[[list[str]], tuple[int, float]] | None = None,
 ) -> Verdict:
     """The verdict of ``est`` against its ``gpu_memory_bytes``.
 
@@ -93,8 +94,8 @@ def verdict(
         est: the estimate (roles filled in).
         module, strategy, datamodule: the rank-0 components (their settings decide which knobs apply).
         subclass_mode: the recipe names its classes by ``class_path`` (overrides are ``--model.init_args.*``).
-        reestimate: ``overrides -> peak bytes`` of the worst role with the fit overrides added, or None to
-            only reason from the breakdown.
+        reestimate: ``overrides -> (peak bytes, FLOPs per token)`` of the worst role with the fit overrides added, or
+            None to only reason from the breakdown.
     """
     budget = est.gpu_memory_bytes
     worst = max(est.roles, key=lambda r: r.peak_bytes)
@@ -124,8 +125,11 @@ def _estimated(module, strategy, datamodule, subclass_mode: bool, reestimate, bu
     if reestimate is None:
         return []
     candidates: list[tuple[str, list[str]]] = []
+    ac = "--trainer.strategy.init_args.activation_checkpointing"
+    if strategy.activation_checkpointing in ("none", "selective"):  # recompute only the cheap ops first
+        candidates.append(("activation_checkpointing", [f"{ac}=selective_op"]))
     if strategy.activation_checkpointing != "full":
-        candidates.append(("activation_checkpointing", ["--trainer.strategy.init_args.activation_checkpointing=full"]))
+        candidates.append(("activation_checkpointing", [f"{ac}=full"]))
     mb = getattr(datamodule, "micro_batch_size", 1)
     n_micro = strategy.pipeline.microbatches if strategy.pipeline is not None else 1
     if mb >= 2 and (mb // 2) % n_micro == 0:
@@ -136,8 +140,8 @@ def _estimated(module, strategy, datamodule, subclass_mode: bool, reestimate, bu
         candidates.append(("loss_chunk_size", ["--model.loss_chunk_size=1024"]))
     out = []
     for knob, overrides in candidates:
-        peak = reestimate(overrides)
-        out.append(Suggestion(knob, " ".join(overrides), peak, "estimated", needed(peak) <= budget))
+        peak, flops_per_token = reestimate(overrides)
+        out.append(Suggestion(knob, " ".join(overrides), peak, "estimated", needed(peak) <= budget, flops_per_token))
     return out
 
 
