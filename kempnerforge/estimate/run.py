@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
 
 from kempnerforge.cli import uses_class_paths
 from kempnerforge.estimate.build import RankBuild, materialize_fake, open_rank, parallelize, warm_optimizer
@@ -49,6 +50,29 @@ def simulation_args(fit_args: list[str], num_nodes: int, devices: int) -> list[s
     return [*fit_args, "--trainer.accelerator=cpu", f"--trainer.devices={devices}", f"--trainer.num_nodes={num_nodes}"]
 
 
+def chain_summary(build: RankBuild) -> str:
+    """What the chain applied on this rank, in its order (e.g. ``"TP=8 + sequence parallel -> AC selective_op ->
+    FSDP2 over dp_shard=8"``)."""
+    strategy, dims = build.strategy, build.strategy.parallel_mesh.dims
+    parts = []
+    if dims.pp > 1:
+        parts.append(f"pipeline split pp={dims.pp} ({strategy.pipeline.schedule_name}, stages {strategy.pipeline.ids})")
+    if dims.tp > 1:
+        parts.append(f"TP={dims.tp}" + (" + sequence parallel" if strategy.sequence_parallel else ""))
+    if dims.ep > 1:
+        parts.append(f"EP={dims.ep}")
+    if strategy.float8_recipe is not None:
+        parts.append(f"FP8 {strategy.float8_recipe}")
+    if strategy.activation_checkpointing != "none":
+        parts.append(f"AC {strategy.activation_checkpointing}")
+    if all(isinstance(r, FSDPModule) for r in build.roots):
+        shards = f"dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard}" if dims.dp_replicate > 1 else ""
+        parts.append(f"FSDP2 over {shards or f'dp_shard={dims.dp_shard}'}")
+    else:
+        parts.append("no FSDP2 (one shard in fp32: nothing to shard or cast)")
+    return " -> ".join(parts)
+
+
 def roles(build: RankBuild) -> list[int]:
     """Global ranks standing for the distinct roles: rank ``p * world / pp`` for every pipeline position ``p``
     (``pp`` is the outermost mesh axis); ``[0]`` without pipelining."""
@@ -73,14 +97,12 @@ def simulate_rank(
         progress(f"rank {rank} of {world} (coordinates {coords or 'none'}): building the model on meta")
         start = time.perf_counter()
         parallelize(build)
-        progress(
-            f"rank {rank}: parallelized (TP -> EP -> FP8 -> AC -> FSDP2{', pipeline split' if mesh.dims.pp > 1 else ''})"
-        )
+        progress(f"rank {rank}: parallelized: {chain_summary(build)}")
         with FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log():
             materialize_fake(build)
             warm_optimizer(build.optimizer)
             progress(f"rank {rank}: one training step (forward, backward, optimizer) on fake tensors")
-            result = run_step(build)
+            result = run_step(build, lambda message: progress(f"rank {rank}: {message}"))
         seconds = time.perf_counter() - start
         progress(f"rank {rank}: step simulated in {result.seconds:.1f} s ({seconds:.1f} s with the build)")
         return build, role_estimate(build, rank, result)

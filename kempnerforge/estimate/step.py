@@ -13,6 +13,7 @@ Logging is switched off for the step (``self.log`` needs Lightning's loop; the v
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +83,7 @@ def _hidden_dtype(build: RankBuild) -> torch.dtype:
     return build.strategy.param_dtype
 
 
-def run_step(build: RankBuild) -> StepResult:
+def run_step(build: RankBuild, progress: Callable[[str], None] = lambda message: None) -> StepResult:
     """Run one training step of ``build`` (materialized, optimizer warm) under the memory tracker and counters.
 
     Call inside ``FakeTensorMode``.
@@ -113,11 +114,15 @@ def run_step(build: RankBuild) -> StepResult:
             counter,
         ):
             if pipeline is not None:
+                progress(f"pipeline schedule: {pipeline.microbatches} micro-batches, forward and backward")
                 loss = strategy.training_step(batch, 0)
                 pipeline.restore_grads(model)
             else:
+                progress("forward and loss")
                 loss = module.training_step(batch, 0)
+                progress("backward")
                 module.backward(loss)
+            progress("clipping and optimizer step")
             grads_bytes = _nbytes(p.grad for p in params if p.grad is not None)
             del loss
             module._step_tokens._stats = None  # on_before_optimizer_step's finish(), minus the host read
