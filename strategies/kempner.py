@@ -248,7 +248,7 @@ class KempnerStrategy(ModelParallelStrategy):
         apply_ac(model, self.activation_checkpointing, self.ac_every_n)
         # Per-block compile after AC (the recompute is compiled too), before FSDP2 (its hooks stay outside).
         apply_compile(model, enabled=self.compile)
-        # FSDP2 last: per block, then the root (tied embedding and head share the root unit). With pp > 1
+        # FSDP2 last: embedding, blocks, [norm, head] (tied: one unit with the embedding), root. With pp > 1
         # every stage is a root and keeps its parameters gathered: each micro-batch reuses them.
         units = self.pipeline.make_stages(model) if self.pipeline is not None else [model]
         for unit in units:

@@ -1,9 +1,13 @@
-"""Check 4 of the MoE issue: expert parallelism equals one process.
+"""Expert parallelism equals one process (check 4 of the MoE issue; check 4 of issue 16).
 
 - One MoE layer with its experts split over 2 gloo ranks (all-to-all dispatch / combine) gives the
   single-process outputs and gradients, also when one rank's experts receive no tokens at all.
-- Training the tiny MoE model for 5 steps with EP=2 (2 processes) and EP=2 x dp_shard=4 (4 processes:
-  experts FSDP2-sharded over the 2 replicas) gives the single-process losses and grad norms within 1e-5.
+- Training the tiny MoE model for 5 steps with EP=2 (2 processes, 8 experts) gives the single-process
+  losses and grad norms within 1e-5.
+- 2 experts, EP=2 x expert-FSDP 2 on 4 processes: each rank holds exactly 1/4 of the expert weights
+  (dim-1 FSDP shards; dim 0 would leave each rank a whole expert, half of them padding) and 5 steps
+  equal one process; its checkpoint resumes at ep=1 x dp_shard=4 (experts dim-1 sharded by plain FSDP2
+  over 4 ranks) and continues exactly.
 """
 
 from __future__ import annotations
@@ -33,27 +37,57 @@ def single_moe(shakespeare_tokens, tmp_path_factory):
     return train(1, shakespeare_tokens, out, "--steps", "5", "--micro-batch", "8", "--moe")
 
 
-@pytest.mark.parametrize(("nproc", "micro_batch"), [(2, 4), (4, 2)], ids=["ep2", "ep2-dp_shard4"])
-def test_ep2_training_matches_single_process(single_moe, shakespeare_tokens, tmp_path, nproc, micro_batch):
-    record = train(nproc, shakespeare_tokens, tmp_path / "ep.json", "--steps", "5", "--micro-batch",
-                   str(micro_batch), "--moe", "--ep", "2", timeout=300)  # fmt: skip
-    assert len(record["losses"]) == len(single_moe["losses"]) == 5
-    for a, b in zip(record["losses"], single_moe["losses"], strict=True):
+def _assert_parity(record: dict, single: dict) -> None:
+    """Losses and gradient norms step by step within 1e-5, and the reference really trains."""
+    assert len(record["losses"]) == len(single["losses"]) == 5
+    for a, b in zip(record["losses"], single["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
-    for a, b in zip(record["grad_norms"], single_moe["grad_norms"], strict=True):
+    for a, b in zip(record["grad_norms"], single["grad_norms"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
-    assert single_moe["losses"][-1] < single_moe["losses"][0] - 0.2
+    assert single["losses"][-1] < single["losses"][0] - 0.2
 
 
-def test_ep2_checkpoint_resumes_exactly(single_moe, shakespeare_tokens, tmp_path):
-    """2 steps with EP=2, DCP checkpoint (expert DTensors sharded on the ep mesh, router bias buffers),
-    resume to step 4: steps 3-4 equal the uninterrupted single-process run."""
-    ckpt = tmp_path / "ckpt"
-    common = ["--micro-batch", "4", "--moe", "--ep", "2"]
-    train(2, shakespeare_tokens, tmp_path / "a.json", "--steps", "2", "--ckpt-dir", str(ckpt), "--ckpt-every", "2",
-          *common, timeout=300)  # fmt: skip
-    record = train(2, shakespeare_tokens, tmp_path / "b.json", "--steps", "4", "--resume",
-                   str(ckpt / "step=0002.ckpt"), *common, timeout=300)  # fmt: skip
-    assert record["steps"] == [3, 4]
-    for a, b in zip(record["losses"], single_moe["losses"][2:4], strict=True):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+def test_ep2_training_matches_single_process(single_moe, shakespeare_tokens, tmp_path):
+    record = train(2, shakespeare_tokens, tmp_path / "ep.json", "--steps", "5", "--micro-batch", "4", "--moe",
+                   "--ep", "2", timeout=300)  # fmt: skip
+    _assert_parity(record, single_moe)
+
+
+TWO_EXPERTS = ("--moe", "--num-experts", "2", "--top-k", "1")
+
+
+@pytest.fixture(scope="module")
+def single_two_experts(shakespeare_tokens, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_moe2") / "losses.json"
+    return train(1, shakespeare_tokens, out, "--steps", "5", "--micro-batch", "8", *TWO_EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def ep2_two_experts(shakespeare_tokens, tmp_path_factory):
+    """4 processes, ep=2 (one expert per EP rank) x expert-FSDP 2, 5 steps, a checkpoint at step 3."""
+    root = tmp_path_factory.mktemp("ep2_moe2")
+    record = train(4, shakespeare_tokens, root / "ep.json", "--steps", "5", "--micro-batch", "2", "--ep", "2",
+                   "--ckpt-dir", str(root / "ckpt"), "--ckpt-every", "3", *TWO_EXPERTS, timeout=300)  # fmt: skip
+    return record, root / "ckpt" / "step=0003.ckpt"
+
+
+def test_ep2_with_more_ranks_than_experts_shards_every_byte(single_two_experts, ep2_two_experts):
+    record, _ = ep2_two_experts
+    held = record["expert_bytes"]
+    assert held["local"] == [held["global"] // 4] * 4, held  # dim-0 shards held 1/2 per rank (padding)
+    _assert_parity(record, single_two_experts)
+
+
+def test_expert_checkpoint_resumes_under_another_expert_layout(single_two_experts, ep2_two_experts, shakespeare_tokens,
+                                                              tmp_path):  # fmt: skip
+    """The step-3 checkpoint (experts on the 2-D (dp_shard_mod_ep, ep) mesh, (Shard(1), Shard(0))) resumed at
+    ep=1 (1-D dp_shard mesh, Shard(1)): steps 4-5 equal the uninterrupted runs."""
+    straight, ckpt = ep2_two_experts
+    record = train(4, shakespeare_tokens, tmp_path / "resumed.json", "--steps", "5", "--micro-batch", "2",
+                   "--resume", str(ckpt), *TWO_EXPERTS, timeout=300)  # fmt: skip
+    assert record["steps"] == [4, 5]
+    assert record["expert_bytes"]["local"] == [record["expert_bytes"]["global"] // 4] * 4
+    for a, b, c in zip(record["losses"], straight["losses"][3:], single_two_experts["losses"][3:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5) and a == pytest.approx(c, rel=1e-5, abs=1e-5)
+    for a, b in zip(record["grad_norms"], single_two_experts["grad_norms"][3:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)

@@ -1,7 +1,8 @@
 """Every parallel layout equals one process on the same global batch (8 sequences x 32 tokens).
 
 For each case, 5 training steps on gloo ranks give losses and gradient norms within 1e-5 relative of
-the single-process run: FSDP2 (dp_shard 2 and 4), HSDP (2 x 2), TP=2, TP=2 + FSDP2=2, sequence
+the single-process run: FSDP2 (dp_shard 2 and 4, the latter with the head fused into chunked
+cross-entropy), HSDP (2 x 2), TP=2, TP=2 + FSDP2=2, sequence
 parallel, activation checkpointing (full, every 2nd block, op-level selective under TP + SP), and
 per-block compile. The micro-batch is 8 / (number of data-parallel ranks), so every layout sees
 the same 8 sequences per step.
@@ -25,7 +26,8 @@ GLOBAL_BATCH = 8
 # ride on FSDP2 / HSDP launches.
 CASES = {
     "fsdp2-dp_shard2-ac-full": (2, 2, ["--dp-shard", "2", "--ac", "full"]),
-    "fsdp2-dp_shard4": (4, 4, ["--dp-shard", "4"]),
+    # The head's forward is skipped (fused with the loss): its FSDP2 unit [norm, output] completes at the root.
+    "fsdp2-dp_shard4-chunked_ce": (4, 4, ["--dp-shard", "4", "--loss-chunk-size", "64"]),
     "hsdp-2x2-ac-selective-every2": (
         4,
         4,

@@ -43,12 +43,15 @@ class Recorder(Callback):
         self.batches.append(batch["input_ids"].tolist())
 
 
-def tiny_config(vocab_size: int = 50257, tie: bool = False, moe: bool = False) -> ModelConfig:
-    """The model every distributed test trains: dim 64, 2 layers, GQA; with ``moe`` every block has 8
-    experts (top-2, sigmoid router with bias balancing, one shared expert, sequence-wise aux and z losses:
-    both are means over sequences / tokens, so they do not depend on how the batch is split over ranks)."""
-    moe_fields = dict(num_experts=8, top_k=2, n_shared_experts=1, router="sigmoid", bias_update_rate=0.01,
-                      seq_aux_loss_weight=0.01, z_loss_weight=0.001)  # fmt: skip
+def tiny_config(
+    vocab_size: int = 50257, tie: bool = False, moe: bool = False, num_experts: int = 8, top_k: int = 2
+) -> ModelConfig:
+    """The model every distributed test trains: dim 64, 2 layers, GQA; with ``moe`` every block has
+    ``num_experts`` experts (top-``top_k``, sigmoid router with bias balancing, one shared expert, sequence-wise
+    aux and z losses: both are means over sequences / tokens, so they do not depend on how the batch is split
+    over ranks)."""
+    moe_fields = dict(num_experts=num_experts, top_k=top_k, n_shared_experts=1, router="sigmoid",
+                      bias_update_rate=0.01, seq_aux_loss_weight=0.01, z_loss_weight=0.001)  # fmt: skip
     return ModelConfig(
         **(moe_fields if moe else {}),
         dim=64,
@@ -61,6 +64,18 @@ def tiny_config(vocab_size: int = 50257, tie: bool = False, moe: bool = False) -
         rope_theta=10000.0,
         tie_embeddings=tie,
     )
+
+
+def _expert_bytes(model: torch.nn.Module) -> dict:
+    """Every rank's bytes of routed-expert weights (``experts.w1/w2/w3``) and the global total. A rank's bytes
+    are its shards' storage: FSDP2's padded buffer, so a rank holding only padding counts what it holds."""
+    experts = [p for n, p in model.named_parameters() if ".experts.w" in n]
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() for p in experts)
+    per_rank = [local]
+    if torch.distributed.is_initialized():
+        per_rank = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(per_rank, local)
+    return {"local": per_rank, "global": sum(p.numel() * p.element_size() for p in experts)}
 
 
 def main() -> None:
@@ -86,6 +101,9 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--moe", action="store_true", help="train the MoE variant of the tiny model")
+    p.add_argument("--num-experts", type=int, default=8, help="with --moe")
+    p.add_argument("--top-k", type=int, default=2, help="with --moe")
+    p.add_argument("--loss-chunk-size", type=int, default=0, help="CausalLM.loss_chunk_size (0: full logits)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--no-loss-parallel", action="store_true")
     p.add_argument("--record-batches", default=None, help="folder: each rank writes its batches as JSON")
@@ -98,10 +116,11 @@ def main() -> None:
     # CUDA: some kernels (SDPA backward, embedding backward) have no deterministic variant; warn only.
     torch.use_deterministic_algorithms(True, warn_only=args.accelerator != "cpu")
     module = CausalLM(
-        config=tiny_config(tie=args.tie, moe=args.moe),
+        config=tiny_config(tie=args.tie, moe=args.moe, num_experts=args.num_experts, top_k=args.top_k),
         optimizer=OptimizerConfig(lr=3e-3),
         scheduler=SchedulerConfig(warmup_steps=5, total_steps=40),
         grad_clip=1.0,
+        loss_chunk_size=args.loss_chunk_size,
     )
     data = TokenDataModule(
         data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch, val_fraction=0.1, data_seed=0
@@ -148,6 +167,7 @@ def main() -> None:
         callbacks=callbacks,
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.resume)
+    expert_bytes = _expert_bytes(module.model) if args.moe else None
     if trainer.global_rank == 0:
         with open(args.out, "w") as f:
             json.dump(
@@ -156,6 +176,7 @@ def main() -> None:
                     "grad_norms": recorder.grad_norms,
                     "steps": recorder.steps,
                     "clipped_norms": recorder.clipped_norms,
+                    "expert_bytes": expert_bytes,
                 },
                 f,
             )

@@ -3,9 +3,9 @@
 The strategy's transform chain sees it like the dense decoder: ``layers`` are the backbone's
 blocks (TP plan per block, activation checkpointing, FSDP2 units), ``tp_plan`` is the backbone's
 with root paths under ``backbone.``, and :meth:`VisionLanguageModel.fsdp_units` declares the other
-FSDP2 units (each encoder layer, the rest of the encoder, the connector); the root unit holds the
-backbone's embedding, final norm and head. DCP checkpoints hold ``encoder.*``, ``connector.*`` and
-``backbone.*`` in one tree.
+FSDP2 units (each encoder layer, the rest of the encoder, the connector); the backbone's embedding
+and ``[norm, head]`` become units as in the dense decoder (:func:`kempnerforge.parallel.fsdp.apply_fsdp`).
+DCP checkpoints hold ``encoder.*``, ``connector.*`` and ``backbone.*`` in one tree.
 """
 
 from __future__ import annotations
