@@ -3,11 +3,12 @@
 The trackers are ``TorchDispatchMode`` s that follow every tensor storage a rank allocates (fake or real)
 and label it (sharded / unsharded parameter, gradient, optimizer state, activation, temporary, FSDP2
 all-gather and reduce-scatter buffers), with snapshots at every FSDP unit's pre/post forward and backward.
-Two small extensions over torch's class, for the simulated step only:
+Small extensions over torch's class, for the simulated step only:
 
 - several FSDP roots at once (a pipeline rank holds one root per stage); torch's class takes one;
 - the per-module statistics live in a plain dict: torch's weak-key dict pays an attribute probe on every
-  module for every op (``CheckpointWrapper.__getattr__``), half of a 70B step's simulation time.
+  module for every op (``CheckpointWrapper.__getattr__``), half of a 70B step's simulation time;
+- a module of a multi-module unit whose forward never runs gets statistics at its unit's backward.
 
 :func:`memory_summary` turns a finished tracker into plain numbers (bytes) by category.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats, _FSDPRefType, _FSDPState
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.weak import WeakIdKeyDictionary
@@ -44,6 +45,21 @@ CATEGORY: dict[str, str] = {
 }
 
 
+class _UnitStats(dict):
+    """Per-module statistics (module -> ``_FSDPModMemStats``) that start on first use: a module of a multi-module
+    FSDP2 unit whose own forward never runs (the head of ``[norm, output]`` when the fused head + loss reads its
+    weight directly) still reaches the unit's backward, where torch's tracker expects an entry."""
+
+    def __init__(self, names: dict[nn.Module, str]) -> None:
+        super().__init__()
+        self._names = names
+
+    def __missing__(self, module: nn.Module) -> _FSDPModMemStats:
+        stats = _FSDPModMemStats(self._names.get(module, type(module).__name__))
+        self[module] = stats
+        return stats
+
+
 class StepMemoryTracker(FSDPMemTracker):
     """``FSDPMemTracker`` over one or more FSDP2 roots (e.g. a pipeline rank's stage modules).
 
@@ -64,7 +80,8 @@ class StepMemoryTracker(FSDPMemTracker):
         self._fsdp_mod_to_saved_methods = WeakIdKeyDictionary()
         self._fsdp_state = _FSDPState.PRE_FW
         self._ref_class = _FSDPRefType
-        self.memory_tracking = {}  # strong refs for the estimate's lifetime; see the module docstring
+        names = {m: f"{type(r).__name__}.{n}" if n else type(r).__name__ for r in roots for n, m in r.named_modules()}
+        self.memory_tracking = _UnitStats(names)  # a plain dict (see the module docstring) with defaults
 
 
 class _NoHook:
