@@ -29,7 +29,7 @@ from kempnerforge.resilience.auto_resume import AUTO, AutoResume, checkpoint_dir
 from kempnerforge.strategies import KempnerStrategy
 
 #: Tools that are not Lightning subcommands, dispatched before LightningCLI parses ``argv``.
-TOOLS = ("prepare-data", "generate", "convert", "eval", "check-env")
+TOOLS = ("prepare-data", "generate", "convert", "eval", "check-env", "estimate")
 #: File in a WandbLogger's ``save_dir`` holding the run id that a resumed run continues.
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
@@ -294,6 +294,10 @@ def _run_tool(name: str, argv: list[str]) -> None:
         from kempnerforge.tools.check_env import check_env_main
 
         check_env_main(argv)
+    elif name == "estimate":
+        from kempnerforge.tools.estimate import estimate_main
+
+        estimate_main(argv)
 
 
 def shows_help_text(args: list[str]) -> bool:
@@ -316,9 +320,23 @@ def main(argv: list[str] | None = None) -> None:
     if args and args[0] in TOOLS:
         _run_tool(args[0], args[1:])
         return
-    KForgeCLI(
+    make_cli(args, from_argv=argv is None)
+
+
+def make_cli(args: list[str], from_argv: bool = False, run: bool = True) -> KForgeCLI:
+    """The ``KForgeCLI`` that ``kforge <subcommand> *args`` runs; with ``run=False``, ``args`` are a ``fit``
+    command line without the subcommand and only the Trainer, LightningModule and DataModule are built
+    (``kforge estimate`` builds exactly what ``kforge fit`` would, this way).
+
+    Args:
+        args: the command line after the program name.
+        from_argv: let Lightning read ``sys.argv`` itself (the console script; no "args and argv" warning).
+        run: run the subcommand (False: parse and instantiate only).
+    """
+    return KForgeCLI(
         **cli_classes(args),
-        args=None if argv is None else args,  # None: Lightning reads sys.argv itself (no "args and argv" warning)
+        args=None if from_argv else args,
+        run=run,
         trainer_defaults={"precision": "32-true"},
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # the module builds AdamW + schedule from --model.optimizer/scheduler

@@ -15,18 +15,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.router import Router, load_balancing_loss, sequence_balance_loss, z_loss
+from kempnerforge.parallel import ep_dispatch
 from kempnerforge.parallel.ep_dispatch import ScaleGrad, dispatch_combine
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """True when this torch build runs the grouped GEMM (:data:`_GROUPED_MM`) for ``x``'s device and dtype
     (probed once per (device type, dtype); the answer is cached)."""
-    key = (x.device.type, x.dtype)
+    # Fake tensors (kforge estimate) answer with the meta kernel's rules (CUDA's: bf16 only), not this build's
+    # CPU kernel: probed and cached apart, so a simulation never changes what real tensors use.
+    key = (x.device.type, x.dtype, isinstance(x, FakeTensor))
     if key not in _GROUPED_MM_PROBE:
         ok = _GROUPED_MM is not None
         if ok:
@@ -40,7 +44,7 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return _GROUPED_MM_PROBE[key]
 
 
-_GROUPED_MM_PROBE: dict[tuple[str, torch.dtype], bool] = {}
+_GROUPED_MM_PROBE: dict[tuple[str, torch.dtype, bool], bool] = {}
 #: The grouped GEMM: public ``torch.nn.functional.grouped_mm`` (a thin wrapper of the same kernel) where
 #: this torch has it, else the private op it wraps (older torch), else None (the per-expert loop).
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -71,7 +75,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_group
             # The CPU backward rejects expanded (stride-0) output grads, e.g. from a plain .sum().
             out.register_hook(lambda g: g.contiguous())
         return out
-    sizes = counts.tolist()  # the loop needs host sizes (a host sync; the grouped kernel does not)
+    hook = ep_dispatch.SPLITS_HOOK  # kforge estimate: fake counts have no values to read back
+    # The loop needs host sizes (a host sync; the grouped kernel does not).
+    sizes = hook(x, counts.numel())[0] if hook is not None else counts.tolist()
     rest = x.shape[0] - sum(sizes)  # rows after the last group (dropped assignments): zeros
     chunks = x.split([*sizes, rest])
     return torch.cat([chunk @ w[e].T for e, chunk in enumerate(chunks[:-1])] + [x.new_zeros(rest, w.shape[1])], dim=0)

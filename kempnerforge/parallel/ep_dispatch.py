@@ -16,6 +16,12 @@ import torch.distributed as dist
 # No public autograd-aware, compile-traceable all-to-all with uneven splits in torch 2.13 (torchtitan uses this one).
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+#: ``kforge estimate`` sets this while it simulates a step on fake tensors, which hold no counts to read back:
+#: ``hook(x, n) -> (send_splits, recv_splits)`` gives the rows of ``x`` per group (EP rank here, expert in
+#: :func:`kempnerforge.model.moe.grouped_mm`'s loop) under the routing it assumes
+#: (:func:`kempnerforge.estimate.fake_ops.balanced_routing`). None (always, in training): the counts are read.
+SPLITS_HOOK: Callable[[torch.Tensor, int], tuple[list[int], list[int]]] | None = None
+
 
 def dispatch_combine(
     x: torch.Tensor,
@@ -47,10 +53,13 @@ def dispatch_combine(
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
     recv_by_src = recv_counts.view(ep, e_local)
-    # The host sync EP needs by nature: all_to_all takes its split sizes as host integers. Sent and
-    # received sizes are read in one copy (one sync per MoE layer forward, and per recomputation).
-    splits = torch.cat([counts.view(ep, e_local).sum(1), recv_by_src.sum(1)]).tolist()
-    send_splits, recv_splits = splits[:ep], splits[ep:]
+    if SPLITS_HOOK is not None:  # kforge estimate: fake counts have no values to read back
+        send_splits, recv_splits = SPLITS_HOOK(x, ep)
+    else:
+        # The host sync EP needs by nature: all_to_all takes its split sizes as host integers. Sent and
+        # received sizes are read in one copy (one sync per MoE layer forward, and per recomputation).
+        splits = torch.cat([counts.view(ep, e_local).sum(1), recv_by_src.sum(1)]).tolist()
+        send_splits, recv_splits = splits[:ep], splits[ep:]
     rows, kept = x.shape[0], sum(send_splits)  # rows after the counted ones (capacity-dropped) stay home
     received = all_to_all_single_autograd(x[:kept], recv_splits, send_splits, group)
     # Received rows are blocks (src, local expert); the grouped GEMM wants them grouped by local expert.

@@ -1,0 +1,287 @@
+"""The estimate's results: per-role numbers, the verdict, and their text and JSON forms.
+
+Units: bytes (printed as GB = 1e9 bytes, the unit GPU datasheets use, and GiB where noted), FLOPs
+(printed as TFLOP = 1e12), seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Tracker states used to measure what a module keeps after its forward.
+BEFORE_FORWARD = ("Before Pre-Forward", "Pre-Forward")
+AFTER_FORWARD = ("After Post-Forward", "Post-Forward")
+AFTER_PRE_FORWARD = ("After Pre-Forward",)
+
+
+@dataclass
+class ModuleMemory:
+    """One tracked module (an FSDP2 unit, or any module when nothing is FSDP-wrapped), first forward call.
+
+    Attributes:
+        module: FQN under the root (``"<Root> (root)"`` for the root; ``layers.N (xK)`` for K alike blocks).
+        gathered_bytes: parameters all-gathered for its forward (unsharded parameters + all-gather buffers).
+        activation_bytes: activations still held after its forward (kept for backward).
+        peak_bytes: the rank's peak while the module was active (forward or backward).
+    """
+
+    module: str
+    gathered_bytes: int
+    activation_bytes: int
+    peak_bytes: int
+
+
+@dataclass
+class RoleEstimate:
+    """The estimate for one rank standing for a role (every rank alike, or one pipeline position).
+
+    Attributes:
+        rank: the simulated global rank; role: what it stands for.
+        params_bytes, grads_bytes, optimizer_bytes: local parameters, gradients (end of backward), optimizer states.
+        params_global_bytes: this rank's parameters unsharded; sharding: ``params_global_bytes / params_bytes``.
+        peak_bytes: peak of tracked tensor bytes over the step; peak_breakdown: by category at that moment.
+        peak_activation_bytes: the most activation bytes held at any tracked moment.
+        largest_modules: the modules holding the most (gathered + activation bytes), largest first.
+        flops: FLOPs executed by this rank in the step (recomputation included).
+        comm: collective bytes per step by ``kind[axis]``; comm_calls: calls.
+        tokens: tokens of this rank's data shard per step (micro_batch_size x seq_len).
+        fallbacks: modules counted analytically (``{"module", "reason", "calls", "flops", "activation_bytes"}``).
+        step_seconds: time the simulated step took here.
+        memory: the tracker summary (peak, per-module snapshots), for programmatic checks; not printed.
+    """
+
+    rank: int
+    role: str
+    params_bytes: int
+    params_global_bytes: int
+    sharding: float
+    grads_bytes: int
+    optimizer_bytes: int
+    peak_bytes: int
+    peak_breakdown: dict[str, int]
+    peak_activation_bytes: int
+    largest_modules: list[ModuleMemory]
+    flops: int
+    comm: dict[str, int]
+    comm_calls: dict[str, int]
+    tokens: int
+    fallbacks: list[dict[str, Any]]
+    step_seconds: float
+    memory: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class Suggestion:
+    """A change that lowers the peak, with its predicted peak.
+
+    Attributes:
+        knob: what changes (``activation_checkpointing``, ``dp_shard``, ``tp``, ``micro_batch_size``, ...).
+        change: the command-line change (fit overrides, or ``--num_nodes / --devices_per_node``).
+        peak_bytes: the predicted peak per rank after the change.
+        how: ``"estimated"`` (simulated again with the change) or ``"reasoned"`` (scaled from the breakdown).
+        fits: whether the predicted peak fits.
+        flops_per_token: the worst role's executed FLOPs per token after the change (estimated suggestions;
+            None when reasoned): the compute cost of the change (e.g. recomputation).
+    """
+
+    knob: str
+    change: str
+    peak_bytes: int
+    how: str
+    fits: bool
+    flops_per_token: float | None = None
+
+
+@dataclass
+class Verdict:
+    """Fits or not, against one GPU's memory.
+
+    Attributes:
+        fits: every role's ``needed_bytes`` <= the GPU's memory.
+        needed_bytes: the worst role's peak plus the allowance for what the tracker does not see
+            (CUDA context, NCCL buffers, allocator fragmentation: :data:`kempnerforge.estimate.verdict.RESERVED_BYTES`
+            plus :data:`~kempnerforge.estimate.verdict.FRAGMENTATION` of the peak).
+        headroom_bytes: GPU memory minus ``needed_bytes`` (negative when it does not fit).
+        worst_role: the role with the highest peak.
+        suggestions: for a configuration that does not fit, the knobs that help, most helpful first.
+        summary: one line.
+    """
+
+    fits: bool
+    needed_bytes: int
+    headroom_bytes: int
+    worst_role: str
+    suggestions: list[Suggestion]
+    summary: str
+
+
+@dataclass
+class Estimate:
+    """The whole estimate of one recipe on one simulated cluster."""
+
+    num_nodes: int
+    devices_per_node: int
+    gpu_memory_bytes: int
+    degrees: dict[str, int]
+    model_params: int
+    roles: list[RoleEstimate]
+    notes: list[str] = field(default_factory=list)
+    verdict: Verdict | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serializable dict with everything the text report shows (and the per-module snapshots)."""
+        out = asdict(self)
+        for role, data in zip(self.roles, out["roles"], strict=True):
+            data["modules"] = role.memory.get("modules", {})
+            data.pop("memory", None)
+        return out
+
+    def write_json(self, path: str) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+
+def _first(snaps: dict[str, list[dict[str, int]]], states: tuple[str, ...]) -> dict[str, int] | None:
+    for state in states:
+        if snaps.get(state):
+            return snaps[state][0]
+    return None
+
+
+def module_table(memory: dict[str, Any], top: int = 6) -> list[ModuleMemory]:
+    """The ``top`` module groups by gathered + activation bytes, from a tracker summary.
+
+    Modules whose names differ only in a block index (``layers.3``, ``layers.4``, ...) are one row named
+    ``layers.N (xK)`` with the largest member's numbers; the root's class name is dropped from the names.
+    """
+    groups: dict[str, list[ModuleMemory]] = {}
+    for fqn, stats in memory.get("modules", {}).items():
+        before, after = _first(stats["snapshots"], BEFORE_FORWARD), _first(stats["snapshots"], AFTER_FORWARD)
+        gathered_at = _first(stats["snapshots"], AFTER_PRE_FORWARD) or after
+        if before is None or after is None:
+            continue
+        act = after.get("activations", 0) - before.get("activations", 0)
+        gathered = sum(gathered_at.get(k, 0) - before.get(k, 0) for k in ("unsharded_params", "all_gather_buffers"))
+        name = fqn.split(".", 1)[1] if "." in fqn else f"{fqn} (root)"
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        key = re.sub(r"(?<=\.)\d+(?=\.|$)", "N", name)
+        groups.setdefault(key, []).append(ModuleMemory(name, max(gathered, 0), max(act, 0), int(stats["peak"])))
+    rows = []
+    for key, members in groups.items():
+        big = max(members, key=lambda m: (m.gathered_bytes + m.activation_bytes, m.peak_bytes))
+        label = f"{key} (x{len(members)})" if len(members) > 1 else big.module
+        rows.append(ModuleMemory(label, big.gathered_bytes, big.activation_bytes, big.peak_bytes))
+    rows.sort(key=lambda r: r.gathered_bytes + r.activation_bytes, reverse=True)
+    return rows[:top]
+
+
+def peak_activations(memory: dict[str, Any]) -> int:
+    """The most activation bytes at any tracked moment (module snapshots and the global peak)."""
+    best = memory.get("peak", {}).get("activations", 0)
+    for stats in memory.get("modules", {}).values():
+        for entries in stats["snapshots"].values():
+            for snap in entries:
+                best = max(best, snap.get("activations", 0))
+    return int(best)
+
+
+def describe_role(build: Any, rank: int) -> str:
+    """``"every rank"`` without pipelining, else ``"pp rank p (stages ...)"``."""
+    pipeline = build.strategy.pipeline
+    if pipeline is None:
+        return "every rank"
+    mesh = build.strategy.parallel_mesh
+    return f"pp rank {mesh.coordinates()['pp']} (stages {', '.join(map(str, pipeline.ids))})"
+
+
+def role_estimate(build: Any, rank: int, result: Any) -> RoleEstimate:
+    """A :class:`RoleEstimate` from a :class:`~kempnerforge.estimate.step.StepResult`."""
+    memory = result.memory
+    peak = dict(memory.get("peak", {}))
+    return RoleEstimate(
+        rank=rank,
+        role=describe_role(build, rank),
+        params_bytes=result.params_bytes,
+        params_global_bytes=result.params_global_bytes,
+        sharding=result.params_global_bytes / max(result.params_bytes, 1),
+        grads_bytes=result.grads_bytes,
+        optimizer_bytes=result.optimizer_bytes,
+        peak_bytes=int(peak.pop("total", 0)),
+        peak_breakdown={k: v for k, v in sorted(peak.items(), key=lambda kv: -kv[1]) if v},
+        peak_activation_bytes=peak_activations(memory),
+        largest_modules=module_table(memory),
+        flops=result.flops,
+        comm=result.comm,
+        comm_calls=result.comm_calls,
+        tokens=result.tokens,
+        fallbacks=[asdict(f) for f in result.fallbacks],
+        step_seconds=round(result.seconds, 2),
+        memory=memory,
+    )
+
+
+def gb(n: float) -> str:
+    """Bytes as GB (1e9), two decimals; MB (1e6) below 1 GB, kB below 1 MB."""
+    if abs(n) < 1e6:
+        return f"{n / 1e3:.1f} kB"
+    if abs(n) < 1e9:
+        return f"{n / 1e6:.1f} MB"
+    return f"{n / 1e9:.2f} GB"
+
+
+def format_text(est: Estimate) -> str:
+    """The human-readable report."""
+    d = est.degrees
+    axes = " x ".join(f"{k}={v}" for k, v in d.items() if v > 1) or "one rank"
+    lines = [
+        f"kforge estimate: {est.num_nodes} x {est.devices_per_node} ranks ({axes}), "
+        f"{est.model_params / 1e9:.2f}B parameters, {gb(est.gpu_memory_bytes)} per GPU",
+    ]
+    for role in est.roles:
+        lines += _format_role(role)
+    for note in est.notes:
+        lines.append(f"note: {note}")
+    if est.verdict is not None:
+        lines.append(est.verdict.summary)
+        worst = max(est.roles, key=lambda r: r.peak_bytes)
+        for s in est.verdict.suggestions:
+            fits = "fits" if s.fits else "still too big"
+            now = worst.flops / max(worst.tokens, 1)
+            cost = f", {100 * (s.flops_per_token / now - 1):+.0f}% FLOPs per token" if s.flops_per_token and now else ""
+            lines.append(f"  - {s.knob}: {s.change} -> peak {gb(s.peak_bytes)} per rank ({s.how}{cost}; {fits})")
+    lines.append(f"(simulated in {est.seconds:.0f} s)")
+    return "\n".join(lines)
+
+
+def _format_role(role: RoleEstimate) -> list[str]:
+    lines = [
+        f"[rank {role.rank}: {role.role}]",
+        f"  parameters       {gb(role.params_bytes):>12}  (of {gb(role.params_global_bytes)} unsharded: 1/{role.sharding:.1f})",
+        f"  gradients        {gb(role.grads_bytes):>12}",
+        f"  optimizer states {gb(role.optimizer_bytes):>12}",
+        f"  peak activations {gb(role.peak_activation_bytes):>12}",
+        f"  peak memory      {gb(role.peak_bytes):>12}  = "
+        + ", ".join(f"{k} {gb(v)}" for k, v in role.peak_breakdown.items() if v >= 1e7),
+        f"  FLOPs per step   {role.flops / 1e12:>9.1f} TFLOP executed on this rank ({role.tokens} tokens of its data shard per step)",
+    ]
+    if role.comm:
+        lines.append("  collectives per step: " + ", ".join(f"{k} {gb(v)}" for k, v in role.comm.items()))
+    if role.largest_modules:
+        lines.append(
+            "  largest modules (gathered params + activations kept after forward; peak while active), per unit:"
+        )
+        for m in role.largest_modules:
+            lines.append(
+                f"    {m.module:<40} {gb(m.gathered_bytes)} + {gb(m.activation_bytes)}; peak {gb(m.peak_bytes)}"
+            )
+    for f in role.fallbacks:
+        lines.append(
+            f"  analytic fallback: {f['module']} could not run on fake tensors ({f['reason']}): "
+            f"{f['flops'] / 1e12:.2f} TFLOP and {gb(f['activation_bytes'])} of activations per call counted analytically"
+        )
+    return lines
