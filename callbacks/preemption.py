@@ -9,6 +9,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
 
 from kempnerforge.resilience.auto_resume import checkpoint_dir
 from kempnerforge.resilience.requeue import requeue_slurm_job
@@ -22,7 +23,9 @@ class Preemption(Callback):
     """Checkpoint-and-exit on SIGTERM / SIGUSR1 (configurable), with optional SLURM requeue.
 
     The handlers (installed at ``on_train_start``, replacing Lightning's, which save or broadcast
-    inside the handler and can deadlock sharded saves) only set a flag. After every training batch
+    inside the handler and can deadlock sharded saves) set a flag and then run the handlers that were
+    installed before ``fit`` (a user's SIGTERM handler still runs; Lightning's own do not). At teardown
+    (or after an exception) the handlers from before ``fit`` are back. After every training batch
     the flag is all-reduced (MAX) across ranks, so a signal that reached one rank stops all of them
     at the same step; every rank then joins one ``trainer.save_checkpoint`` into the checkpoint
     folder, rank 0 runs ``scontrol requeue`` when ``requeue`` is set, and ``trainer.should_stop``
@@ -50,7 +53,7 @@ class Preemption(Callback):
         dirpath: str | None = None,
         watchdog_s: float = 600.0,
     ) -> None:
-        self.flag = SignalFlag(signals)
+        self.flag = SignalFlag(signals, chain=True)
         if not watchdog_s > 0:
             raise ValueError(f"Preemption watchdog_s={watchdog_s!r} must be > 0 seconds.")
         self.requeue = requeue
@@ -60,11 +63,19 @@ class Preemption(Callback):
         self._watchdog: Watchdog | None = None
         self._seen_step = -1
 
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Remember the handlers from before ``fit`` (Lightning replaces them later, before ``on_train_start``):
+        they are chained by the flag's handler and restored at teardown."""
+        self.flag.remember()
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Install the flag-only handlers (Lightning registered its own just before this hook)."""
+        """Install the flag handlers (Lightning registered its own just before this hook)."""
         self._seen_step = trainer.global_step
         self.flag.install()
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         """At an optimizer-step boundary: agree on the flag; if any rank was signalled, save on all ranks and stop."""
         if trainer.global_step == self._seen_step:
@@ -96,9 +107,16 @@ class Preemption(Callback):
             return folder / name.name
         return folder / f"step={trainer.global_step:06d}.ckpt"
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Restore the previous handlers and disarm the watchdog (the shutdown finished)."""
+        """Restore the handlers from before ``fit`` and disarm the watchdog (the shutdown finished). Runs after
+        Lightning's own restore, so what stays installed is what was there before ``fit``."""
         self.flag.restore()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """After a failure (no ``teardown`` hook then): the handlers from before ``fit`` and no watchdog."""
+        self.teardown(trainer, pl_module, "fit")

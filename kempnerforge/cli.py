@@ -21,8 +21,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from kempnerforge.callbacks import Preemption
-from kempnerforge.cli_errors import argparse_error_line, exit_with_error, is_user_error
-from kempnerforge.commands import TOOLS, run_tool
+from kempnerforge.cli_errors import HeldLogs, argparse_error_line, exit_with_error, is_user_error
+from kempnerforge.commands import TOOLS, print_help, run_tool
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.errors import PathError, UserError
 from kempnerforge.module import CausalLM
@@ -32,6 +32,8 @@ from kempnerforge.strategies import KempnerStrategy
 
 #: True once the pre-run checks passed and the Trainer runs: a plain ValueError from then on keeps its traceback.
 _RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("kforge_running", default=False)
+#: Lightning's log lines held back until the pre-run checks pass (:class:`~kempnerforge.cli_errors.HeldLogs`).
+_HELD: contextvars.ContextVar[HeldLogs | None] = contextvars.ContextVar("kforge_held_logs", default=None)
 #: File in a WandbLogger's ``save_dir`` holding the run id that a resumed run continues.
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
@@ -180,6 +182,9 @@ class KForgeCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"), self.subcommand)
         _RUNNING.set(True)
+        held = _HELD.get()
+        if held is not None:
+            held.show()
 
 
 def component_errors(report: str) -> list[str]:
@@ -264,7 +269,7 @@ def shows_help_text(args: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``kforge`` with the training commands (the console script is :func:`kempnerforge.commands.main`, which
+    """``kforge`` with the training commands (the console script is :func:`kempnerforge.entry.main`, which
     comes here for them); tools are dispatched through :data:`~kempnerforge.commands.TOOLS`.
 
     A user error (:func:`~kempnerforge.cli_errors.is_user_error`) ends the process with one line on stderr,
@@ -278,10 +283,28 @@ def main(argv: list[str] | None = None) -> None:
     # tokenizes the source of every class in every subcommand's signature (the Trainer's too): 5-10 s of CPU
     # per process, each rank of a multi-process run included, so only when the text is shown.
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=shows_help_text(args))
-    if args and args[0] in TOOLS:
+    if not args or args[0] in ("-h", "--help"):
+        print_help(args)
+        return
+    if args[0] in TOOLS:
         run_tool(args[0], args[1:])
         return
-    token = _RUNNING.set(False)
+    token, held = _RUNNING.set(False), HeldLogs().hold()
+    held_token = _HELD.set(held)
+    try:
+        _run_cli(args, argv)
+    except Exception as err:
+        if is_user_error(err, during_setup=not _RUNNING.get()):
+            held.drop()
+            exit_with_error(err)
+        raise
+    finally:
+        held.show()  # whatever is still held (an error that keeps its traceback, a --help exit)
+        _RUNNING.reset(token)
+        _HELD.reset(held_token)
+
+
+def _run_cli(args: list[str], argv: list[str] | None) -> None:
     try:
         KForgeCLI(
             **cli_classes(args),
@@ -292,12 +315,10 @@ def main(argv: list[str] | None = None) -> None:
             auto_configure_optimizers=False,  # the module builds AdamW + schedule from --model.optimizer/scheduler
             parser_kwargs={"description": "kempnerforge: Lightning trainer for decoder LLMs on N-D parallel meshes."},
         )
-    except Exception as err:
-        if is_user_error(err, during_setup=not _RUNNING.get()):
-            exit_with_error(err)
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            _HELD.get().drop()  # a parse error: its one line is printed; the held lines would only follow it
         raise
-    finally:
-        _RUNNING.reset(token)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Anything else (an error inside training, a bug) keeps its traceback. For errors 
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 
@@ -162,3 +163,48 @@ def exit_with_error(exc: BaseException) -> None:
     """
     print(error_line(exc), file=sys.stderr, flush=True)
     raise SystemExit(2) from exc
+
+
+class HeldLogs(logging.Handler):
+    """Lightning's log lines from the start of a command (``Seed set to``, ``GPU available``, tips), held back
+    until the run's checks pass (:meth:`show` prints them then) and dropped when the command ends in a user
+    error, so a refused command prints its one ``kforge: error`` line and nothing else.
+
+    :meth:`hold` at the start, then :meth:`show` (checks passed, or any other ending) or :meth:`drop`.
+    """
+
+    LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+        self._saved: dict[str, tuple[list[logging.Handler], bool]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def hold(self) -> HeldLogs:
+        """Replace the handlers of Lightning's loggers by this one (until :meth:`show` / :meth:`drop`)."""
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved[name] = (list(logger.handlers), logger.propagate)
+            logger.handlers, logger.propagate = [self], False
+        return self
+
+    def _restore(self) -> None:
+        for name, (handlers, propagate) in self._saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = handlers, propagate
+        self._saved = {}
+
+    def show(self) -> None:
+        """Put Lightning's handlers back and print what was held, in order (idempotent)."""
+        self._restore()
+        records, self.records = self.records, []
+        for record in records:
+            logging.getLogger(record.name).handle(record)
+
+    def drop(self) -> None:
+        """Put Lightning's handlers back and forget what was held."""
+        self._restore()
+        self.records = []

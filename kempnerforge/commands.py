@@ -1,8 +1,8 @@
-"""The ``kforge`` console script: the table of subcommands, a help that prints before torch is imported, and
-the dispatch to the tools and to the LightningCLI (:mod:`kempnerforge.cli`).
+"""The table of ``kforge`` subcommands: one line of help each, and the dispatch of the tools.
 
-``kforge --help`` imports nothing but this module (well under a second; importing torch and Lightning takes
-5-15 s on a busy login node). Every tool module is imported only when its command runs.
+The console script (:mod:`kempnerforge.entry`) prints :func:`help_text` without importing torch, and both it
+and :func:`kempnerforge.cli.main` run a tool through :func:`run_tool`, which imports the tool's module only
+when its command runs. A new tool is one entry in :data:`TOOLS`.
 """
 
 from __future__ import annotations
@@ -66,6 +66,17 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
+def print_help(args: list[str]) -> None:
+    """``kforge`` alone or ``kforge --help``: :func:`help_text` on stdout.
+
+    Raises:
+        SystemExit: code 2 when no command was given (``kforge`` alone is a usage error).
+    """
+    print(help_text())
+    if not args:
+        raise SystemExit(2)
+
+
 def run_tool(name: str, argv: list[str]) -> None:
     """Import and run tool ``name`` (a key of :data:`TOOLS`) with ``argv``.
 
@@ -81,27 +92,3 @@ def run_tool(name: str, argv: list[str]) -> None:
         print(f"kforge: error: {name}: this installation has no {module_name}", file=sys.stderr)
         raise SystemExit(2) from err
     getattr(module, func)(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``kforge`` console script.
-
-    Args:
-        argv: arguments without the program name (None: ``sys.argv[1:]``).
-    """
-    args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(help_text())
-        if not args:
-            raise SystemExit(2)
-        return
-    if args[0] in TOOLS:
-        run_tool(args[0], args[1:])
-        return
-    from kempnerforge.cli import main as cli_main  # torch, Lightning: only for the training commands
-
-    cli_main(argv)
-
-
-if __name__ == "__main__":
-    main()

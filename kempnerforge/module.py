@@ -594,6 +594,6 @@ def check_vlm_lengths(text: ModelConfig, vlm: VLMConfig, n_visual: int, max_text
             f"vlm.arch={vlm.arch!r} sees {seq} positions ({visual} + {max_text_len} text tokens per "
             f"sample, data.max_text_len) but model.config.max_seq_len={text.max_seq_len}: raise max_seq_len to "
             f">= {seq} or lower data.max_text_len / the connector's token count"
-            + (" / data.max_frames." if max_frames > 1 else ".")
+            + (" / data.max_frames." if max_frames > 1 else "."),
         )
     return seq

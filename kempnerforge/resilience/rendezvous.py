@@ -146,7 +146,7 @@ def rendezvous(
     elif not _wait_for(store, f"{key}/all", deadline):
         joined = _count(store, key)
         raise RendezvousTimeoutError(
-                world.field,
+            world.field,
             f"{'?' if joined is None else joined} of {world.size} ranks joined the rendezvous at {where} "
             f"within {timeout_s:g} s ({setting}); the world size {world.size} comes from {world.source}: "
             f"{world.hint}.",
