@@ -166,14 +166,17 @@ def exit_with_error(exc: BaseException) -> None:
 
 
 class HeldLogs(logging.Handler):
-    """Lightning's log lines from the start of a command (``Seed set to``, ``GPU available``, tips), held back
+    """Log lines from the start of a command (Lightning's ``Seed set to``, ``GPU available``, tips; warnings of
+    libraries that log through the root logger), held back
     until the run's checks pass (:meth:`show` prints them then) and dropped when the command ends in a user
     error, so a refused command prints its one ``kforge: error`` line and nothing else.
 
     :meth:`hold` at the start, then :meth:`show` (checks passed, or any other ending) or :meth:`drop`.
     """
 
-    LOGGERS = ("lightning.pytorch", "lightning.fabric")
+    #: The root logger (libraries without handlers of their own, e.g. torchao's missing-kernel warning on CPU)
+    #: and Lightning's two, which do not propagate.
+    LOGGERS = ("", "lightning.pytorch", "lightning.fabric")
 
     def __init__(self) -> None:
         super().__init__(level=logging.NOTSET)

@@ -20,6 +20,7 @@ prints as one line. :func:`warn_bf16_on_cpu` only warns.
 from __future__ import annotations
 
 import glob
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,13 @@ def check_paths(module: Any, datamodule: Any) -> None:
             ``data.sources[i].data_dir`` or ``model.encoder.pretrained_path`` that is not there.
         ValueError: a ``data.source`` spec that names anything but local files (``check_dataset_spec``).
     """
+    encoder = getattr(module, "encoder_config", None)
+    pretrained = getattr(encoder, "pretrained_path", None)
+    if pretrained is not None and not (Path(pretrained) / "config.json").is_file():
+        raise PathError(
+            "model.encoder.pretrained_path",
+            f"{pretrained} is not a transformers save_pretrained folder (no config.json there); nothing is downloaded",
+        )
     dm = datamodule
     tokenizer = getattr(dm, "tokenizer_path", None)
     tokenizer = tokenizer if isinstance(tokenizer, str) else getattr(dm, "tokenizer", None)
@@ -75,13 +83,6 @@ def check_paths(module: Any, datamodule: Any) -> None:
                 f"{data_dir} holds no prepared token shards (metadata.json): run kforge prepare-data --output_dir "
                 f"{data_dir}, or set data.source and data.tokenizer to prepare it at the start",
             )
-    encoder = getattr(module, "encoder_config", None)
-    pretrained = getattr(encoder, "pretrained_path", None)
-    if pretrained is not None and not (Path(pretrained) / "config.json").is_file():
-        raise PathError(
-            "model.encoder.pretrained_path",
-            f"{pretrained} is not a transformers save_pretrained folder (no config.json there); nothing is downloaded",
-        )
 
 
 def check_ckpt_path(strategy: Any, ckpt_path: Any, world: WorldSpec) -> None:
@@ -172,16 +173,19 @@ def checkpoint_folders(trainer: Any) -> list[Path]:
     return list(dict.fromkeys(Path(f) for f in folders if f is not None))
 
 
-def check_checkpoint_folder(folder: Path, needed: int | None, field: str = "ModelCheckpoint.dirpath") -> None:
-    """``folder`` can be created and written, and has room for ``needed`` bytes (one checkpoint).
+def check_checkpoint_folder(
+    folder: Path, needed: Callable[[], int | None], field: str = "ModelCheckpoint.dirpath"
+) -> None:
+    """``folder`` can be created and written, and has room for ``needed()`` bytes (one checkpoint; None: unknown).
 
     Raises:
-        UserError: not writable (the OS error), or fewer bytes free than ``needed`` (both numbers).
+        UserError: not writable (the OS error), or fewer bytes free than needed (both numbers).
     """
     try:
         ensure_writable(folder)
     except OSError as err:
         raise UserError(field, f"{folder} is not writable ({err.strerror or err}); checkpoints go there") from err
+    needed = needed()
     if needed is None:
         return
     free = free_bytes(folder)
@@ -234,8 +238,7 @@ def preflight(trainer: Any, module: Any, datamodule: Any, ckpt_path: Any, subcom
     check_ckpt_path(strategy, ckpt_path, world)
     check_layout(trainer, module, datamodule, world)
     if subcommand == "fit" and world.rank == 0:
-        needed = checkpoint_bytes(module)
         for folder in checkpoint_folders(trainer):
-            check_checkpoint_folder(folder, needed)
+            check_checkpoint_folder(folder, lambda: checkpoint_bytes(module))
     warn_bf16_on_cpu(trainer)
     return world
