@@ -131,7 +131,15 @@ def rendezvous(
         rank_zero_info(f"Rendezvous: waiting up to {timeout_s:g} s for {world.size} ranks at {where} ({world.source}).")
     try:
         store = dist.TCPStore(host, port, world.size, is_master, wait, wait_for_workers=False)
-    except RuntimeError as err:  # DistNetworkError: rank 0's store never answered
+    except RuntimeError as err:  # DistNetworkError: rank 0's store never answered, or rank 0 cannot listen
+        if is_master:
+            raise RendezvousTimeoutError(
+                "MASTER_PORT",
+                f"rank 0 could not open the rendezvous at {where}: {str(err).splitlines()[0] if str(err) else err}; "
+                "set MASTER_PORT to a free port (or leave it unset on one machine)",
+                None,
+                world.size,
+            ) from err
         raise RendezvousTimeoutError(
             world.field,
             f"rank {world.rank} could not reach rank 0's rendezvous at {where} within {timeout_s:g} s ({setting}); "

@@ -116,8 +116,11 @@ CASES = {
     "video_tokenizer": ("vlm_video", ["--data.init_args.tokenizer=/nonexistent/tok"], ["data.tokenizer:"]),
     "7b_on_one_machine": ("vlm_7b_siglip2", [], ["model.encoder.pretrained_path:", "siglip2-so400m"]),
     # mesh, before any process starts (devices=4 would launch 3 more ranks)
-    "tp_vs_world": ("debug", ["--trainer.strategy.init_args.tp=3"],
-                    ["trainer.strategy.init_args.dp_shard:", "cp*tp = 1*1*1*3", "world size 1 comes from trainer.num_nodes=1"]),  # fmt: skip
+    "tp_vs_world": (
+        "debug",
+        ["--trainer.strategy.init_args.tp=3"],
+        ["trainer.strategy.init_args.dp_shard:", "cp*tp = 1*1*1*3", "world size 1 comes from trainer.num_nodes=1"],
+    ),  # fmt: skip
     "dp_shard": ("debug", ["--trainer.strategy.init_args.dp_shard=3"], ["dp_shard", "trainer.devices=1"]),
     "ep_dense": ("debug", ["--trainer.strategy.init_args.ep=2"], ["trainer.strategy.init_args.ep:"]),
     "tp_vs_kv_heads": ("debug", ["--trainer.devices=4", "--trainer.strategy.init_args.tp=4"], ["tp", "n_kv_heads"]),
@@ -214,9 +217,12 @@ def test_rendezvous_short_of_ranks_fails_within_its_timeout(tmp_path):
         "--trainer.num_nodes=2",
         "--trainer.strategy.init_args.rendezvous_timeout_s=20",
     ]
-    start = time.perf_counter()
-    proc = kforge_in_process(*args)
-    wall = time.perf_counter() - start
+    for _ in range(2):  # Lightning picks a free port, which another process on a shared machine may take first
+        start = time.perf_counter()
+        proc = kforge_in_process(*args)
+        wall = time.perf_counter() - start
+        if "could not open the rendezvous" not in proc.stderr:
+            break
     lines = [line for line in proc.stderr.splitlines() if line.startswith("kforge: error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = lines
