@@ -8,8 +8,6 @@ This module imports nothing heavy: the ``kforge`` entry point loads it before to
 
 from __future__ import annotations
 
-import errno
-
 
 class UserError(ValueError):
     """A problem with what the user gave, not with the code.
@@ -27,16 +25,23 @@ class UserError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self) -> tuple:
+        # Picklable with every attribute (a DataLoader worker or another rank may send it), whatever __init__ takes.
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
 
-class PathError(UserError, FileNotFoundError):
+
+def _rebuild(cls: type, args: tuple, state: dict) -> UserError:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+class PathError(UserError):
     """A path in the config that does not exist or is not what the field needs (a folder, a file)."""
 
-    def __init__(self, field: str, message: str) -> None:
-        UserError.__init__(self, field, message)
-        self.errno = errno.ENOENT
 
-
-class RendezvousTimeoutError(UserError, TimeoutError):
+class RendezvousTimeoutError(UserError):
     """Fewer ranks than the world size joined the rendezvous in time.
 
     Attributes:
@@ -45,5 +50,5 @@ class RendezvousTimeoutError(UserError, TimeoutError):
     """
 
     def __init__(self, field: str, message: str, joined: int | None, expected: int) -> None:
-        UserError.__init__(self, field, message)
+        super().__init__(field, message)
         self.joined, self.expected = joined, expected

@@ -84,3 +84,14 @@ def test_held_logs_are_shown_in_order_or_dropped():
     finally:
         lightning.removeHandler(collect)
         lightning.setLevel(level)
+
+
+def test_user_errors_pickle_with_their_field():
+    import pickle
+
+    from kempnerforge.errors import RendezvousTimeoutError
+
+    err = pickle.loads(pickle.dumps(RendezvousTimeoutError("trainer.num_nodes", "1 of 2 joined", 1, 2)))
+    assert (type(err), err.field, err.joined, err.expected, str(err)) == (
+        RendezvousTimeoutError, "trainer.num_nodes", 1, 2, "1 of 2 joined"
+    )  # fmt: skip
