@@ -180,7 +180,8 @@ class KForgeCLI(LightningCLI):
 
     def _preflight(self) -> None:
         config = self.config_init[self.subcommand]
-        preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"), self.subcommand)
+        precision = self.config[self.subcommand]["trainer"].get("precision")
+        preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"), self.subcommand, precision)
         _RUNNING.set(True)
         held = _HELD.get()
         if held is not None:

@@ -197,15 +197,21 @@ def check_checkpoint_folder(
         )
 
 
-def warn_bf16_on_cpu(trainer: Any) -> None:
+def warn_bf16_on_cpu(trainer: Any, precision: str | None = None) -> None:
     """Warn (rank 0) when a CPU run is asked for bf16 compute: CPUs without bf16 matrix units run it several times
-    slower than fp32, and the FSDP2 policy, not the trainer, sets the compute dtype here."""
+    slower than fp32, and the FSDP2 policy, not the trainer, sets the compute dtype here.
+
+    Args:
+        trainer: the instantiated Trainer.
+        precision: ``trainer.precision`` as configured (None: the trainer's, which a strategy may have mapped
+            onto its own policy already).
+    """
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     if not isinstance(trainer.accelerator, CPUAccelerator):
         return
-    precision = str(getattr(trainer, "precision", ""))
+    precision = str(precision if precision is not None else getattr(trainer, "precision", ""))
     param = str(getattr(trainer.strategy, "param_dtype", ""))
     if precision.startswith("bf16"):
         asked = f"trainer.precision={precision}"
@@ -220,13 +226,16 @@ def warn_bf16_on_cpu(trainer: Any) -> None:
     )
 
 
-def preflight(trainer: Any, module: Any, datamodule: Any, ckpt_path: Any, subcommand: str) -> WorldSpec | None:
+def preflight(
+    trainer: Any, module: Any, datamodule: Any, ckpt_path: Any, subcommand: str, precision: str | None = None
+) -> WorldSpec | None:
     """All of the above for one ``kforge`` command, in the order a user would fix them.
 
     Args:
         trainer, module, datamodule: as LightningCLI instantiated them.
         ckpt_path: the command's ``ckpt_path`` (``auto`` / an ``AutoResume``, a path, or None).
         subcommand: ``fit``, ``validate``, ``test`` or ``predict`` (the checkpoint folder is checked for ``fit``).
+        precision: ``trainer.precision`` as configured (for :func:`warn_bf16_on_cpu`).
 
     Returns:
         The expected world (None for a strategy without a cluster environment).
@@ -240,5 +249,5 @@ def preflight(trainer: Any, module: Any, datamodule: Any, ckpt_path: Any, subcom
     if subcommand == "fit" and world.rank == 0:
         for folder in checkpoint_folders(trainer):
             check_checkpoint_folder(folder, lambda: checkpoint_bytes(module))
-    warn_bf16_on_cpu(trainer)
+    warn_bf16_on_cpu(trainer, precision)
     return world
