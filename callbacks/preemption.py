@@ -24,7 +24,9 @@ class Preemption(Callback):
     """Checkpoint-and-exit on SIGTERM / SIGUSR1 (configurable), with optional SLURM requeue.
 
     The handlers (installed at ``on_train_start``, replacing Lightning's, which save or broadcast
-    inside the handler and can deadlock sharded saves) only set a flag. At optimizer-step boundaries
+    inside the handler and can deadlock sharded saves) set a flag and then run the handlers that were
+    installed before ``fit`` (a user's SIGTERM handler still runs; Lightning's own do not). At teardown
+    (or after an exception) the handlers from before ``fit`` are back. At optimizer-step boundaries
     the flag is all-reduced (MAX) across ranks, so a signal that reached one rank stops all of them
     at the same step. Reading the agreed flag is a host synchronization, so it is not done every step:
     with a :class:`~kempnerforge.callbacks.NaNGuard` the flag rides on its per-step reduction (no
@@ -62,7 +64,7 @@ class Preemption(Callback):
         watchdog_s: float = 600.0,
         check_every_s: float = 10.0,
     ) -> None:
-        self.flag = SignalFlag(signals)
+        self.flag = SignalFlag(signals, chain=True)
         if not watchdog_s > 0:
             raise ValueError(f"Preemption watchdog_s={watchdog_s!r} must be > 0 seconds.")
         if not check_every_s >= 0:
@@ -79,8 +81,14 @@ class Preemption(Callback):
         self._last_check = (0.0, 0)  # (monotonic time, global step) of the last own agreement
 
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Remember the handlers from before ``fit`` (Lightning replaces them later, before ``on_train_start``):
+        they are chained by the flag's handler and restored at teardown."""
+        self.flag.remember()
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Install the flag-only handlers (Lightning registered its own just before this hook)."""
+        """Install the flag handlers (Lightning registered its own just before this hook)."""
         self._seen_step = trainer.global_step
         self._next_check = trainer.global_step + 1  # the first agreement also measures the step time
         self._last_check = (time.monotonic(), trainer.global_step)
@@ -147,8 +155,14 @@ class Preemption(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Restore the previous handlers and disarm the watchdog (the shutdown finished)."""
+        """Restore the handlers from before ``fit`` and disarm the watchdog (the shutdown finished). Runs after
+        Lightning's own restore, so what stays installed is what was there before ``fit``."""
         self.flag.restore()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """After a failure (no ``teardown`` hook then): the handlers from before ``fit`` and no watchdog."""
+        self.teardown(trainer, pl_module, "fit")

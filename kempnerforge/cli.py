@@ -8,10 +8,11 @@ text into shards. Under ``srun`` Lightning detects ``SLURMEnvironment`` itself.
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jsonargparse
 import yaml
@@ -21,15 +22,21 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from kempnerforge.callbacks import Preemption, ProgressBar
+from kempnerforge.cli_errors import HeldLogs, argparse_error_line, exit_with_error, is_user_error
+from kempnerforge.commands import TOOLS, print_help, run_tool
 from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.errors import PathError, UserError
 from kempnerforge.module import CausalLM
 from kempnerforge.parallel.grad_clip import check_lightning_clipping
 from kempnerforge.parallel.precision import trainer_precision_to_param
+from kempnerforge.preflight import preflight
 from kempnerforge.resilience.auto_resume import AUTO, AutoResume, checkpoint_dir, find_resume_checkpoint
 from kempnerforge.strategies import KempnerStrategy
 
-#: Tools that are not Lightning subcommands, dispatched before LightningCLI parses ``argv``.
-TOOLS = ("prepare-data", "generate", "convert", "eval", "check-env", "estimate")
+#: True once the pre-run checks passed and the Trainer runs: a plain ValueError from then on keeps its traceback.
+_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("kforge_running", default=False)
+#: Lightning's log lines held back until the pre-run checks pass (:class:`~kempnerforge.cli_errors.HeldLogs`).
+_HELD: contextvars.ContextVar[HeldLogs | None] = contextvars.ContextVar("kforge_held_logs", default=None)
 #: File in a WandbLogger's ``save_dir`` holding the run id that a resumed run continues.
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
@@ -91,6 +98,22 @@ def _write_id(path: Path, run_id: str) -> None:
     path.write_text(run_id + "\n")
 
 
+class KForgeArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser with one-line errors (``kforge: error: <option>: <message>``, exit status 2) instead of
+    the usage block, and no abbreviated options (``--model.config.n_layer`` is not ``n_layers``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Print one line and exit 2 (parsers that raise instead, jsonargparse's inner ones, keep raising)."""
+        if not self.exit_on_error:
+            super().error(message, ex)
+        print(argparse_error_line(message), file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 class KForgeCLI(LightningCLI):
     """LightningCLI with kempnerforge's defaults and argument links.
 
@@ -101,6 +124,9 @@ class KForgeCLI(LightningCLI):
     checkpoint in the checkpoint folder (a ``Preemption`` callback's ``dirpath``, else the
     ``ModelCheckpoint``'s) and starts fresh when there is none; ``--ckpt_path null`` forces a fresh start.
     """
+
+    def __init__(self, *args: Any, parser_class: type = KForgeArgumentParser, **kwargs: Any) -> None:
+        super().__init__(*args, parser_class=parser_class, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Link the model's vocabulary size into the data module (``init_args`` paths in subclass mode)."""
@@ -133,10 +159,10 @@ class KForgeCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         """Lightning's instantiation; a component's own validation error (e.g. ``data.fps=0.0 must be ...``),
-        which jsonargparse buries in a union-type report ending in the whole config, is printed alone.
+        which jsonargparse buries in a union-type report ending in the whole config, is raised alone.
 
         Raises:
-            SystemExit: code 2, with ``kforge: error: <the component's message>`` on stderr.
+            UserError: the component's message(s), for :func:`main` to print as one line.
         """
         try:
             super().instantiate_classes()
@@ -144,8 +170,9 @@ class KForgeCLI(LightningCLI):
             reasons = component_errors(str(err))
             if not reasons:
                 raise
-            print(f"kforge: error: {'; '.join(reasons)}", file=sys.stderr)
-            raise SystemExit(2) from err
+            from kempnerforge.cli_errors import infer_field
+
+            raise UserError(infer_field(reasons[0]), "; ".join(reasons)) from err
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """Lightning's trainer, with :class:`~kempnerforge.callbacks.ProgressBar` as the progress bar
@@ -155,11 +182,34 @@ class KForgeCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
-        """Resolve ``--ckpt_path auto`` (the ``fit`` default), then keep the W&B run id of the run being
-        resumed (:func:`keep_wandb_run_id`), before ``Trainer.fit`` runs."""
+        """Resolve ``--ckpt_path auto`` (the ``fit`` default), keep the W&B run id of the run being resumed
+        (:func:`keep_wandb_run_id`), then check paths, mesh and checkpoint folder (:func:`~kempnerforge.preflight.preflight`),
+        before ``Trainer.fit`` starts any process."""
         config = self.config_init[self.subcommand]
         resolve_auto_ckpt_path(config, self.trainer)
         keep_wandb_run_id(self.trainer, config.get("ckpt_path"), self.config[self.subcommand]["trainer"]["logger"])
+        self._preflight()
+
+    def before_validate(self) -> None:
+        """:func:`~kempnerforge.preflight.preflight` before ``Trainer.validate``."""
+        self._preflight()
+
+    def before_test(self) -> None:
+        """:func:`~kempnerforge.preflight.preflight` before ``Trainer.test``."""
+        self._preflight()
+
+    def before_predict(self) -> None:
+        """:func:`~kempnerforge.preflight.preflight` before ``Trainer.predict``."""
+        self._preflight()
+
+    def _preflight(self) -> None:
+        config = self.config_init[self.subcommand]
+        precision = self.config[self.subcommand]["trainer"].get("precision")
+        preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"), self.subcommand, precision)
+        _RUNNING.set(True)
+        held = _HELD.get()
+        if held is not None:
+            held.show()
 
 
 def check_trainer_config(trainer: Any) -> None:
@@ -247,13 +297,23 @@ def _config_paths(args: list[str]) -> list[str]:
 
 def uses_class_paths(args: list[str]) -> bool:
     """True when the recipe names its LightningModule by ``class_path`` (``model: {class_path: ...}``,
-    as the VLM recipes do) in a ``--config`` file or on the command line."""
+    as the VLM recipes do) in a ``--config`` file or on the command line.
+
+    Raises:
+        PathError: a ``--config`` file that does not exist.
+        UserError: a ``--config`` file that is not YAML.
+    """
     if any(a.startswith(("--model.class_path", "--model=")) for a in args):
         return True
     for path in _config_paths(args):
-        with open(path) as f:
-            config = yaml.safe_load(f) or {}
-        if isinstance(config.get("model"), dict) and "class_path" in config["model"]:
+        if not Path(path).is_file():
+            raise PathError("--config", f"{path} does not exist (a recipe YAML, e.g. configs/debug.yaml)")
+        try:
+            with open(path) as f:
+                config = yaml.safe_load(f) or {}
+        except yaml.YAMLError as err:
+            raise UserError("--config", f"{path} is not valid YAML: {' '.join(str(err).split())}") from err
+        if isinstance(config, dict) and isinstance(config.get("model"), dict) and "class_path" in config["model"]:
             return True
     return False
 
@@ -272,34 +332,6 @@ def cli_classes(args: list[str]) -> dict[str, Any]:
     return {"model_class": CausalLM, "datamodule_class": TokenDataModule}
 
 
-def _run_tool(name: str, argv: list[str]) -> None:
-    # Imported on use: each tool's imports (transformers, datasets) stay out of `kforge fit`'s start-up.
-    if name == "prepare-data":
-        from kempnerforge.data.prepare import prepare_main
-
-        prepare_main(argv)
-    elif name == "generate":
-        from kempnerforge.tools.generate import generate_main
-
-        generate_main(argv)
-    elif name == "convert":
-        from kempnerforge.tools.convert import convert_main
-
-        convert_main(argv)
-    elif name == "eval":
-        from kempnerforge.tools.evaluate import eval_main
-
-        eval_main(argv)
-    elif name == "check-env":
-        from kempnerforge.tools.check_env import check_env_main
-
-        check_env_main(argv)
-    elif name == "estimate":
-        from kempnerforge.tools.estimate import estimate_main
-
-        estimate_main(argv)
-
-
 def shows_help_text(args: list[str]) -> bool:
     """Whether ``args`` print argument descriptions: ``-h`` / ``--help``, or a class help in subclass mode
     such as ``--model.help VisionLanguage`` (``--print_config`` writes no descriptions)."""
@@ -307,7 +339,11 @@ def shows_help_text(args: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``kforge`` console script.
+    """``kforge`` with the training commands (the console script is :func:`kempnerforge.entry.main`, which
+    comes here for them); tools are dispatched through :data:`~kempnerforge.commands.TOOLS`.
+
+    A user error (:func:`~kempnerforge.cli_errors.is_user_error`) ends the process with one line on stderr,
+    ``kforge: error: <field>: <message>``, and exit status 2; any other exception keeps its traceback.
 
     Args:
         argv: arguments without the program name (None: ``sys.argv[1:]``).
@@ -317,10 +353,25 @@ def main(argv: list[str] | None = None) -> None:
     # tokenizes the source of every class in every subcommand's signature (the Trainer's too): 5-10 s of CPU
     # per process, each rank of a multi-process run included, so only when the text is shown.
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=shows_help_text(args))
-    if args and args[0] in TOOLS:
-        _run_tool(args[0], args[1:])
+    if not args or args[0] in ("-h", "--help"):
+        print_help(args)
         return
-    make_cli(args, from_argv=argv is None)
+    if args[0] in TOOLS:
+        run_tool(args[0], args[1:])
+        return
+    token, held = _RUNNING.set(False), HeldLogs().hold()
+    held_token = _HELD.set(held)
+    try:
+        _run_cli(args, argv)
+    except Exception as err:
+        if is_user_error(err, during_setup=not _RUNNING.get()):
+            held.drop()
+            exit_with_error(err)
+        raise
+    finally:
+        held.show()  # whatever is still held (an error that keeps its traceback, a --help exit)
+        _RUNNING.reset(token)
+        _HELD.reset(held_token)
 
 
 def make_cli(args: list[str], from_argv: bool = False, run: bool = True) -> KForgeCLI:
@@ -342,6 +393,16 @@ def make_cli(args: list[str], from_argv: bool = False, run: bool = True) -> KFor
         auto_configure_optimizers=False,  # the module builds AdamW + schedule from --model.optimizer/scheduler
         parser_kwargs={"description": "kempnerforge: Lightning trainer for decoder LLMs on N-D parallel meshes."},
     )
+
+
+def _run_cli(args: list[str], argv: list[str] | None) -> None:
+    try:
+        # None: Lightning reads sys.argv itself (no "args and argv" warning)
+        make_cli(args, from_argv=argv is None or args == sys.argv[1:])
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            _HELD.get().drop()  # a parse error: its one line is printed; the held lines would only follow it
+        raise
 
 
 if __name__ == "__main__":

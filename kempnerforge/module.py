@@ -22,6 +22,7 @@ from kempnerforge.callbacks.freeze import FreezeSchedule
 from kempnerforge.config import ModelConfig
 from kempnerforge.config.vision import ConnectorConfig, VisionEncoderConfig
 from kempnerforge.config.vlm import VLMConfig
+from kempnerforge.errors import UserError
 from kempnerforge.metrics.perplexity import ExpMeanMetric
 from kempnerforge.model import Transformer
 from kempnerforge.model.connectors import connector_tokens
@@ -164,12 +165,16 @@ class CausalLM(LightningModule):
             )
 
     def setup(self, stage: str) -> None:
-        """Check the data against the model before the model is built.
+        """Check the data against the model before the model is built (:meth:`check_data`)."""
+        self.check_data(getattr(self.trainer, "datamodule", None) if _has_trainer(self) else None)
+
+    def check_data(self, datamodule: Any) -> None:
+        """The data's lengths against the model's, from the configs alone (``kforge`` runs it before any
+        process group exists, :mod:`kempnerforge.preflight`; :meth:`setup` again in ``fit``).
 
         Raises:
             ValueError: the datamodule's ``seq_len`` exceeds ``config.max_seq_len``.
         """
-        datamodule = getattr(self.trainer, "datamodule", None) if _has_trainer(self) else None
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.config.max_seq_len:
             raise ValueError(
@@ -516,14 +521,13 @@ class VisionLanguage(CausalLM):
         grid, width = encoder_grid_and_width(self.encoder_config)
         return connector_tokens(self.connector_config, grid, width)
 
-    def setup(self, stage: str) -> None:
+    def check_data(self, datamodule: Any) -> None:
         """Check that the data's visual and text lengths fit ``max_seq_len`` for the arch, before the model
         is built (a video datamodule's ``max_frames`` multiplies the visual tokens per frame).
 
         Raises:
             ValueError: ``sequence_length(max_frames * n_visual, max_text_len) > max_seq_len`` (names the numbers).
         """
-        datamodule = getattr(self.trainer, "datamodule", None) if _has_trainer(self) else None
         max_text = getattr(datamodule, "max_text_len", None)
         if max_text is not None:
             frames = getattr(datamodule, "max_frames", None) or 1
@@ -646,17 +650,18 @@ def check_vlm_lengths(text: ModelConfig, vlm: VLMConfig, n_visual: int, max_text
     text tokens (``n_visual`` per image or frame; ``max_frames`` 1 for images).
 
     Raises:
-        ValueError: more than ``text.max_seq_len`` (the RoPE tables end there); names the numbers.
+        UserError: (a ``ValueError``) more than ``text.max_seq_len`` (the RoPE tables end there); names the numbers.
     """
     with torch.device("meta"):
         backbone = build_backbone(text, vlm)
     seq = backbone.sequence_length(max_frames * n_visual, max_text_len)
     if seq > text.max_seq_len:
         visual = f"{n_visual} visual" if max_frames == 1 else f"data.max_frames={max_frames} x {n_visual} visual"
-        raise ValueError(
+        raise UserError(
+            "model.config.max_seq_len",
             f"vlm.arch={vlm.arch!r} sees {seq} positions ({visual} + {max_text_len} text tokens per "
             f"sample, data.max_text_len) but model.config.max_seq_len={text.max_seq_len}: raise max_seq_len to "
             f">= {seq} or lower data.max_text_len / the connector's token count"
-            + (" / data.max_frames." if max_frames > 1 else ".")
+            + (" / data.max_frames." if max_frames > 1 else "."),
         )
     return seq

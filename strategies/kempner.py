@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
@@ -33,6 +35,7 @@ from kempnerforge.checkpoint.sharded_state import (
     optimizer_state,
 )
 from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_state
+from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure, verify_checkpoint
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
 from kempnerforge.parallel.compile import apply_compile
 from kempnerforge.parallel.expert_parallel import apply_ep
@@ -54,6 +57,7 @@ from kempnerforge.parallel.precision import (
 from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
 from kempnerforge.resilience.auto_resume import AutoResume
 from kempnerforge.resilience.first_failure import note_first_failure
+from kempnerforge.resilience.rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, expected_world, rendezvous
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory
 
 log = logging.getLogger(__name__)
@@ -120,6 +124,9 @@ class KempnerStrategy(ModelParallelStrategy):
             ``DefaultStager``: pinned buffers on CUDA); DCP writes them in the background, and the
             ``COMPLETE`` marker and ``latest`` move as soon as every rank's shards are written
             (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO` ``async_save``).
+        rendezvous_timeout_s: seconds the ranks wait for each other at the start (> 0); then the run fails
+            with the joined and expected counts and the setting the count comes from
+            (:func:`~kempnerforge.resilience.rendezvous.rendezvous`). ``timeout`` covers the collectives after.
 
     Raises:
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
@@ -160,6 +167,7 @@ class KempnerStrategy(ModelParallelStrategy):
         pp_microbatches: int | None = None,
         pp_virtual_stages: int = 1,
         pp_split_points: list[int] | None = None,
+        rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -211,6 +219,9 @@ class KempnerStrategy(ModelParallelStrategy):
             "split_points": pp_split_points,
         }
         self.pipeline: PipelineRunner | None = None
+        if not isinstance(rendezvous_timeout_s, int | float) or not rendezvous_timeout_s > 0:
+            raise ValueError(f"rendezvous_timeout_s={rendezvous_timeout_s!r} must be a number of seconds > 0.")
+        self.rendezvous_timeout_s = float(rendezvous_timeout_s)
 
     # -- precision ------------------------------------------------------------------------------
 
@@ -251,13 +262,8 @@ class KempnerStrategy(ModelParallelStrategy):
         apply_matmul_precision(self.float32_matmul_precision, self.root_device.type)
         if self.cpu_keep_freed_memory and self.root_device.type == "cpu":
             keep_freed_memory()
-        dims = ParallelDims(**self._degrees, world_size=self.world_size)
-        validate = getattr(self.lightning_module, "validate_parallel", None)
-        if callable(validate):
-            validate(dims)
         datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
-        validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
-        self._validate_pipeline(dims, datamodule)
+        dims = self.check_layout(self.world_size, self.lightning_module, datamodule)
         self.parallel_mesh = dims.build_mesh(self.root_device.type)
         if dims.pp > 1:
             if dims.tp > 1 and self.loss_parallel:
@@ -270,6 +276,43 @@ class KempnerStrategy(ModelParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy does (no public setter)
         rank_zero_info(f"{self.parallel_mesh.describe()}; {self.describe_precision()}")
         log.debug(self.parallel_mesh.describe())
+
+    def check_layout(self, world_size: int, module: Any, datamodule: Any) -> ParallelDims:
+        """Every parallel rule that needs only the world size, the module and the data, not a process group:
+        degrees against ``world_size``, the module's ``validate_parallel`` (``n_heads % tp``, MoE rules), sequence
+        parallelism against ``seq_len`` and the pipeline options. ``kforge`` calls it before the rendezvous
+        (:mod:`kempnerforge.preflight`), :meth:`setup_environment` again once the world exists.
+
+        Raises:
+            MeshConfigError / ValueError: the rule that fails, naming the degree and the allowed values.
+        """
+        dims = ParallelDims(**self._degrees, world_size=world_size)
+        validate = getattr(module, "validate_parallel", None)
+        if callable(validate):
+            validate(dims)
+        validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
+        validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options)
+        return dims
+
+    @override
+    def _setup_distributed(self) -> None:
+        """``ModelParallelStrategy._setup_distributed`` with a timed rendezvous first: with more than one rank the
+        job's TCPStore comes from :func:`~kempnerforge.resilience.rendezvous.rendezvous` (which fails after
+        ``rendezvous_timeout_s`` naming the joined / expected counts) and is handed to ``init_process_group``."""
+        ParallelStrategy.setup_environment(self)  # what the parent's super().setup_environment() runs
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        if self.world_size > 1 and not torch.distributed.is_initialized():
+            env = self.cluster_environment
+            world = expected_world(self)
+            kwargs["store"] = rendezvous(
+                env.main_address, env.main_port, world, self.rendezvous_timeout_s, self._timeout
+            )
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -378,17 +421,47 @@ class KempnerStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Restore model and optimizer shards in place (resharding), then return Lightning's metadata.
 
-        The path is global rank 0's, broadcast; for ``--ckpt_path auto``
-        (:class:`~kempnerforge.resilience.auto_resume.AutoResume`) rank 0 alone picks the checkpoint, and
-        when it finds none every rank starts fresh (metadata that restores nothing).
+        The path is global rank 0's, broadcast, after rank 0 checked its files
+        (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`). For ``--ckpt_path auto``
+        (:class:`~kempnerforge.resilience.auto_resume.AutoResume`) rank 0 alone picks the newest complete
+        checkpoint whose files are whole (older ones when not, with a warning naming the file), and when there is
+        none every rank starts fresh (metadata that restores nothing). A pick that still fails to load on any rank
+        is rejected on all of them and the next one is restored from scratch, so nothing of the failed attempt
+        survives (model and optimizer state are overwritten whole, loops and RNG come from the new metadata).
+
+        Raises:
+            CorruptCheckpointError: an explicit path whose files are missing, truncated or unreadable (names the
+                file); with ``auto``, when every complete checkpoint is.
+            CheckpointError: the path is not a complete checkpoint, or it was written by another model.
         """
-        chosen = self._agreed_checkpoint_path(checkpoint_path)
-        if chosen is None:
-            self.lightning_module.trainer.ckpt_path = None  # Lightning then reports no restore
-            return fresh_start_meta()
-        path = self.checkpoint_io.resolve(chosen)
+        while True:
+            chosen = self._agreed_checkpoint_path(checkpoint_path)
+            if chosen is None:
+                self.lightning_module.trainer.ckpt_path = None  # Lightning then reports no restore
+                return fresh_start_meta()
+            try:
+                return self._restore(Path(chosen))
+            except CorruptCheckpointError as err:  # raised on every rank alike (see _restore)
+                if not isinstance(checkpoint_path, AutoResume):
+                    raise
+                checkpoint_path.reject(chosen, str(err))
+                rank_zero_warn(f"Auto-resume: {err}; restoring the previous complete checkpoint instead.")
+
+    def _restore(self, path: Path) -> dict[str, Any]:
+        """Every rank: this rank's files (``meta.pt``, its state file), agreed across ranks, then the DCP shards.
+
+        Raises:
+            CorruptCheckpointError: on every rank when any rank's files do not load, or DCP could not read a shard.
+        """
         assert self.model is not None and self.parallel_mesh is not None
-        meta = self.checkpoint_io.load_checkpoint(path)
+        meta: dict[str, Any] = {}
+        local: CheckpointError | None = None
+        try:
+            path = self.checkpoint_io.resolve(path)
+            meta = self.checkpoint_io.load_checkpoint(path)
+        except CheckpointError as err:  # this rank only: agree first, so no rank enters DCP's collectives alone
+            local = err
+        self._agree_no_failure(local, path)
         # An imported checkpoint (kforge convert hf-to-dcp) holds weights only: optimizer, schedule,
         # loops and data position start fresh.
         weights_only = bool(meta.pop(WEIGHTS_ONLY_KEY, False))
@@ -408,6 +481,8 @@ class KempnerStrategy(ModelParallelStrategy):
                     "this one. Start fresh with --ckpt_path null, or give this run its own checkpoint folder "
                     "(ModelCheckpoint / Preemption dirpath): --ckpt_path auto resumes the newest checkpoint there."
                 ) from err
+            if isinstance(first_failure(err), CorruptCheckpointError):  # DCP raises on every rank alike
+                raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {describe_failure(err)}") from err
             raise
         if weights_only:
             meta.pop("rank_state", None)
@@ -424,16 +499,60 @@ class KempnerStrategy(ModelParallelStrategy):
         )
         return meta
 
+    def _agree_no_failure(self, error: BaseException | None, path: Path) -> None:
+        """One all-gather of every rank's error text; the first one is raised on all ranks (nothing when none failed).
+
+        Raises:
+            CorruptCheckpointError: some rank's ``error``, named with its rank.
+        """
+        text = None if error is None else str(error)
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            texts: list[str | None] = [None] * self.world_size
+            torch.distributed.all_gather_object(texts, text)
+        else:
+            texts = [text]
+        failed = [(rank, t) for rank, t in enumerate(texts) if t is not None]
+        if failed:
+            rank, first = failed[0]
+            where = f" (rank {rank})" if self.world_size > 1 else ""
+            raise CorruptCheckpointError(f"checkpoint {path} cannot be loaded{where}: {first}") from error
+
     def _agreed_checkpoint_path(self, checkpoint_path: _PATH) -> str | None:
-        """Global rank 0's checkpoint path on every rank (for :class:`AutoResume`, rank 0's choice; None: fresh)."""
-        choice: Any = checkpoint_path
+        """Global rank 0's decision on every rank: the checkpoint to load (None: start fresh), or its error.
+
+        Raises:
+            CheckpointError / CorruptCheckpointError: rank 0 found the path incomplete or its files bad (auto:
+                every complete checkpoint of the folder bad); raised on every rank.
+        """
+        decision = self._decide_checkpoint(checkpoint_path) if self.is_global_zero else None
+        kind, value = self.broadcast(decision)
+        if kind == "corrupt":
+            raise CorruptCheckpointError(value)
+        if kind == "invalid":
+            raise CheckpointError(value)
+        return value
+
+    def _decide_checkpoint(self, checkpoint_path: _PATH) -> tuple[str, str | None]:
+        """Rank 0: ``("path", path or None)``, ``("corrupt", message)`` or ``("invalid", message)``."""
         if isinstance(checkpoint_path, AutoResume):
-            choice = checkpoint_path.choose() if self.is_global_zero else None
-            if choice is None:
-                rank_zero_info(f"Auto-resume: no complete checkpoint in {checkpoint_path.folder}; starting fresh.")
-            else:
+            choice = checkpoint_path.choose()
+            if choice is not None:
                 rank_zero_info(f"Auto-resume: resuming from {choice}.")
-        return self.broadcast(None if choice is None else str(choice))
+                return "path", str(choice)
+            if checkpoint_path.rejected:
+                reasons = "; ".join(checkpoint_path.rejected.values())
+                return "corrupt", f"Auto-resume: no complete checkpoint in {checkpoint_path.folder} loads: {reasons}"
+            rank_zero_info(f"Auto-resume: no complete checkpoint in {checkpoint_path.folder}; starting fresh.")
+            return "path", None
+        try:
+            resolved = self.checkpoint_io.resolve(checkpoint_path)
+            if resolved.is_dir():
+                verify_checkpoint(resolved)
+        except CorruptCheckpointError as err:
+            return "corrupt", str(err)
+        except CheckpointError as err:
+            return "invalid", str(err)
+        return "path", str(checkpoint_path)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -463,10 +582,6 @@ class KempnerStrategy(ModelParallelStrategy):
             self.checkpoint_io.remove_checkpoint(filepath)
 
     # -- pipeline parallelism (pp > 1) ------------------------------------------------------------
-
-    def _validate_pipeline(self, dims: ParallelDims, datamodule: Any) -> None:
-        """The pp rules that need the model and the data (see ``validate_pipeline_run``)."""
-        validate_pipeline_run(dims.pp, self.lightning_module, datamodule, **self.pp_options)
 
     @property
     def pp_group(self) -> Any:

@@ -49,6 +49,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from kempnerforge.checkpoint.disk import CheckpointSpaceError, space_errno, space_error
+from kempnerforge.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from kempnerforge.checkpoint.layout import (
     COMPLETE_FILE,
     LATEST_FILE,
@@ -60,6 +62,7 @@ from kempnerforge.checkpoint.layout import (
     rank_file,
     write_latest,
 )
+from kempnerforge.checkpoint.verify import NamingFileSystemReader
 
 __all__ = [
     "COMPLETE_FILE",
@@ -68,6 +71,8 @@ __all__ = [
     "PARTIAL_SUFFIX",
     "WEIGHTS_ONLY_KEY",
     "CheckpointError",
+    "CheckpointSpaceError",
+    "CorruptCheckpointError",
     "DCPCheckpointIO",
     "rank_file",
 ]
@@ -77,10 +82,6 @@ log = logging.getLogger(__name__)
 #: ``meta.pt`` key marking a checkpoint that holds model weights only (``kforge convert hf-to-dcp``):
 #: resuming from it starts a fresh optimizer, LR schedule, loop and data position.
 WEIGHTS_ONLY_KEY = "kempnerforge_weights_only"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint path that cannot be loaded: missing, incomplete, or written under another layout."""
 
 
 def _rank() -> int:
@@ -105,6 +106,38 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
     elif isinstance(tree, list | tuple):
         for value in tree:
             yield from _tensors(value)
+
+
+def _nbytes(tree: Any) -> int:
+    """Bytes of this rank's part of the tensors in ``tree`` (a DTensor counts its local shard)."""
+    return sum(getattr(t, "_local_tensor", t).nbytes for t in _tensors(tree))
+
+
+def _save_file(obj: Any, file: Path) -> None:
+    # A Python file object, not a path: PyTorch's own file writer reports a full disk as "unexpected pos",
+    # losing the errno that _failed_save looks for.
+    with open(file, "wb") as f:
+        torch.save(obj, f)
+
+
+def _failed_save(err: BaseException, tmp: Path, path: Path, needed: int) -> None:
+    """After a save failed on this rank: remove its ``.partial`` (never resumed from; every failing rank tries,
+    so it goes even when rank 0 is fine) and, when the disk or quota was full, raise that with the numbers.
+
+    Raises:
+        CheckpointSpaceError: ``err`` is ENOSPC / EDQUOT (chained to ``err``).
+    """
+    shutil.rmtree(tmp, ignore_errors=True)
+    code = space_errno(err)
+    if code is not None:
+        raise space_error(code, path, needed) from err
+
+
+def _load_file(file: Path) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CorruptCheckpointError(f"{file} cannot be loaded: {type(err).__name__}: {err}", file) from err
 
 
 def staging_options(state: dict[str, Any]) -> StagingOptions:
@@ -159,6 +192,8 @@ class DCPCheckpointIO(CheckpointIO):
 
         Raises:
             TypeError: ``storage_options`` is given.
+            CheckpointSpaceError: the disk or the quota is full (names the checkpoint, needed and free bytes); the
+                ``.partial`` directory is removed first (by every rank that failed), as after any failed save.
             CheckpointException: from DCP, when writing the previous async save or this one failed on any rank.
         """
         if storage_options is not None:
@@ -172,19 +207,24 @@ class DCPCheckpointIO(CheckpointIO):
         sharded = {"state_dict": checkpoint.pop("state_dict")}
         for i, opt_state in enumerate(checkpoint.pop("optimizer_states", [])):
             sharded[f"optimizer_{i}"] = opt_state
-        tmp.mkdir(parents=True, exist_ok=True)
-        torch.save(checkpoint.pop("rank_state", {}), rank_file(tmp, _rank()))
-        if _rank() == 0:
-            torch.save({**checkpoint, "world_size": _world()}, tmp / META_FILE)
-        if self.async_save:
-            group = self._group()
-            if self._stager is None:
-                self._stager = DefaultStager(staging_options(sharded))
-            # The stager's device-to-host copy is the only part on this thread; DCP's upload thread writes.
-            upload = dcp.async_save(sharded, checkpoint_id=tmp, process_group=group, async_stager=self._stager)
-            self._submit(self._finish_async, upload, tmp, path, group)
-            return
-        dcp.save(sharded, checkpoint_id=tmp)
+        needed = _nbytes(sharded) * _world()  # shards are about even across ranks
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            _save_file(checkpoint.pop("rank_state", {}), rank_file(tmp, _rank()))
+            if _rank() == 0:
+                _save_file({**checkpoint, "world_size": _world()}, tmp / META_FILE)
+            if self.async_save:
+                group = self._group()
+                if self._stager is None:
+                    self._stager = DefaultStager(staging_options(sharded))
+                # The stager's device-to-host copy is the only part on this thread; DCP's upload thread writes.
+                upload = dcp.async_save(sharded, checkpoint_id=tmp, process_group=group, async_stager=self._stager)
+                self._submit(self._finish_async, upload, tmp, path, group, needed)
+                return
+            dcp.save(sharded, checkpoint_id=tmp)
+        except BaseException as err:
+            _failed_save(err, tmp, path, needed)
+            raise
         _barrier()  # every rank has written its shards and rank file
         if _rank() == 0:
             self._mark_complete(tmp, path)
@@ -203,9 +243,13 @@ class DCPCheckpointIO(CheckpointIO):
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kforge-checkpoint")
         self._tasks.append(self._worker.submit(fn, *args))
 
-    def _finish_async(self, upload: Future, tmp: Path, path: Path, group: Any) -> None:
+    def _finish_async(self, upload: Future, tmp: Path, path: Path, group: Any, needed: int) -> None:
         """Checkpoint worker, every rank: this rank's upload, then all ranks' (barrier), then rank 0 completes it."""
-        upload.result()  # DCP raises on every rank when any rank's write failed
+        try:
+            upload.result()  # DCP raises on every rank when any rank's write failed
+        except BaseException as err:
+            _failed_save(err, tmp, path, needed)
+            raise
         if group is not None:
             dist.barrier(group=group)
         if _rank() == 0:
@@ -314,25 +358,35 @@ class DCPCheckpointIO(CheckpointIO):
 
         Always unpickles with ``weights_only=True``: checkpoints never execute arbitrary code.
 
+        Raises:
+            CheckpointError: from :meth:`resolve`.
+            CorruptCheckpointError: ``meta.pt`` or this rank's state file is missing or does not load (names it).
+
         Returns:
             Lightning's checkpoint dict without model/optimizer tensors, plus ``rank_state`` (this
-            rank's entry; rank 0's when the checkpoint was written by fewer ranks; None when there is
-            none) and ``world_size``.
+            rank's entry; rank 0's when the checkpoint was written by fewer ranks) and ``world_size``.
         """
         path = self.resolve(path)
-        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+        meta = _load_file(path / META_FILE)
         own = rank_file(path, _rank())
-        if not own.is_file():
+        if _rank() >= int(meta.get("world_size", 1)):
             # The world grew: every dp rank saved the same dataloader position, so rank 0's serves
             # (merge_rank_state remaps it if the data-parallel degree changed).
             own = rank_file(path, 0)
-        meta["rank_state"] = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
+        if not own.is_file():
+            raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {own} is missing", own)
+        meta["rank_state"] = _load_file(own)
         return meta
 
     @staticmethod
     def load_sharded(state: dict[str, Any], path: Path) -> None:
-        """DCP-load into the (sharded) state dicts of ``state`` in place, resharding as needed."""
-        dcp.load(state, checkpoint_id=path)
+        """DCP-load into the (sharded) state dicts of ``state`` in place, resharding as needed.
+
+        Raises:
+            CheckpointException: DCP's, on every rank when any rank's read failed; a shard that cannot be read
+                is named by a :class:`CorruptCheckpointError` inside it (:func:`~kempnerforge.checkpoint.verify.first_failure`).
+        """
+        dcp.load(state, storage_reader=NamingFileSystemReader(path))
 
     # -- deleting --------------------------------------------------------------------------------
 

@@ -8,6 +8,11 @@ A candidate is complete when it is a DCP checkpoint directory holding the ``COMP
 the folder, once the process group exists, and every rank loads what it chose (ranks on a shared
 filesystem can see different directory listings for a while; each rank choosing for itself could
 resume some ranks and start others fresh).
+
+Fallback: rank 0 checks its pick's files first (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`:
+missing or truncated shards, an unreadable ``meta.pt`` or rank file) and takes the next older complete
+checkpoint when they are bad, with a warning naming the file; a pick that still fails to load on some rank
+is rejected by all ranks together (:meth:`AutoResume.reject`) and the next one is restored from scratch.
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ from pathlib import Path
 
 from kempnerforge.checkpoint.layout import is_complete, latest_name
 
-__all__ = ["AutoResume", "checkpoint_dir", "complete_checkpoints", "find_resume_checkpoint", "is_complete"]
+__all__ = [
+    "AutoResume",
+    "checkpoint_dir",
+    "complete_checkpoints",
+    "find_resume_checkpoint",
+    "is_complete",
+    "resume_candidates",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,33 +51,65 @@ def latest_target(dirpath: Path) -> Path | None:
     return dirpath / name if name is not None else None
 
 
-def find_resume_checkpoint(dirpath: str | Path | None) -> Path | None:
+def resume_candidates(dirpath: str | Path | None) -> list[Path]:
+    """Complete checkpoints of ``dirpath`` in the order a resume tries them: the one ``latest`` names, then the
+    others newest first (empty when there is none or ``dirpath`` is None)."""
+    if dirpath is None:
+        return []
+    dirpath = Path(dirpath)
+    target = latest_target(dirpath)
+    found = complete_checkpoints(dirpath)[::-1]
+    if target is None:
+        return found
+    if not is_complete(target):
+        log.warning("Auto-resume: %s names %s, which is not complete; ignoring it.", dirpath / "latest", target)
+        return found
+    return [target, *(p for p in found if p != target)]
+
+
+def find_resume_checkpoint(
+    dirpath: str | Path | None, verify: bool = False, rejected: dict[Path, str] | None = None
+) -> Path | None:
     """The checkpoint an automatic resume should load from ``dirpath``.
 
     ``latest`` wins when it names a complete checkpoint; otherwise the newest complete one; None
     when there is none (a fresh start) or ``dirpath`` is None.
+
+    Args:
+        dirpath: the checkpoint folder.
+        verify: skip checkpoint directories whose files are bad (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`),
+            with a warning naming the file; each one skipped is added to ``rejected``.
+        rejected: checkpoints not to take (path -> why), and where ``verify`` records the ones it skips.
     """
-    if dirpath is None:
-        return None
-    dirpath = Path(dirpath)
-    target = latest_target(dirpath)
-    if target is not None and is_complete(target):
-        return target
-    found = complete_checkpoints(dirpath)
-    if target is not None:
-        log.warning("Auto-resume: %s names %s, which is not complete; ignoring it.", dirpath / "latest", target)
-    return found[-1] if found else None
+    rejected = {} if rejected is None else rejected
+    for path in resume_candidates(dirpath):
+        if path in rejected:
+            continue
+        if verify and path.is_dir():
+            from kempnerforge.checkpoint.verify import CorruptCheckpointError, verify_checkpoint
+
+            try:
+                verify_checkpoint(path)
+            except CorruptCheckpointError as err:
+                rejected[path] = str(err)
+                log.warning("Auto-resume: %s; falling back to the previous complete checkpoint.", err)
+                continue
+        return path
+    return None
 
 
 class AutoResume(str):
-    """The ``ckpt_path`` of ``--ckpt_path auto``: resume from the newest complete checkpoint in ``folder``.
+    """The ``ckpt_path`` of ``--ckpt_path auto``: resume from the newest complete checkpoint in ``folder`` that loads.
 
     A ``str`` whose value is ``"auto"``, so ``Trainer.fit`` passes it unchanged to the strategy's
     ``load_checkpoint``; ``KempnerStrategy`` asks :meth:`choose` on global rank 0 only and broadcasts
-    the answer (None: every rank starts fresh).
+    the answer (None: every rank starts fresh), and after a failed load :meth:`reject` and :meth:`choose` again.
 
     Args:
         folder: the checkpoint folder (None: nothing to resume).
+
+    Attributes:
+        rejected: checkpoints skipped or failed so far (path -> why), oldest decision first.
     """
 
     folder: Path | None
@@ -74,13 +118,21 @@ class AutoResume(str):
         self = super().__new__(cls, AUTO)
         self.folder = Path(folder) if folder is not None else None
         self._choice: tuple[Path | None] | None = None
+        self.rejected: dict[Path, str] = {}
         return self
 
     def choose(self) -> Path | None:
-        """:func:`find_resume_checkpoint` of ``folder``, looked up once (the same answer on every later call)."""
+        """The newest complete checkpoint of ``folder`` that is not rejected and whose files verify
+        (:func:`find_resume_checkpoint` with ``verify``), looked up once (the same answer on every later call
+        until :meth:`reject`)."""
         if self._choice is None:
-            self._choice = (find_resume_checkpoint(self.folder),)
+            self._choice = (find_resume_checkpoint(self.folder, verify=True, rejected=self.rejected),)
         return self._choice[0]
+
+    def reject(self, path: str | Path, reason: str) -> None:
+        """Never choose ``path`` again (it failed to load: ``reason``); the next :meth:`choose` looks again."""
+        self.rejected[Path(path)] = reason
+        self._choice = None
 
 
 def checkpoint_dir(trainer: object, dirpath: str | Path | None = None) -> Path | None:

@@ -33,34 +33,63 @@ def parse_signal(name: str | int) -> signal.Signals:
         ) from None
 
 
+def _is_lightning_handler(handler: Any) -> bool:
+    """Lightning's own signal handlers (its ``_SignalConnector`` methods): they save or broadcast inside the
+    handler, which is what this module avoids."""
+    owner = getattr(handler, "__self__", None)
+    return type(owner).__name__ == "_SignalConnector"
+
+
+def chained_handlers(handler: Any) -> list[Any]:
+    """The callables to run after the flag for a handler that was installed before: the handler itself, or, for
+    Lightning's composite handler (``_HandlersCompose``), the members that are not Lightning's own."""
+    members = getattr(handler, "signal_handlers", None) if type(handler).__name__ == "_HandlersCompose" else None
+    candidates = list(members) if members is not None else [handler]
+    return [h for h in candidates if callable(h) and not _is_lightning_handler(h)]
+
+
 class SignalFlag:
-    """Installs handlers for ``signals`` that only remember the first signal received.
+    """Installs handlers for ``signals`` that remember the first signal received, then run the handlers that
+    were installed before (a user's SIGTERM handler keeps working), minus Lightning's own.
 
     Args:
         signals: signal names or numbers to catch.
+        chain: call the earlier handlers after setting the flag (the default). They run inside the signal
+            handler, as they did before: a handler that raises (``sys.exit``) ends the run there.
 
     Attributes:
         received: the signal number received, or None.
     """
 
-    def __init__(self, signals: Iterable[str | int]) -> None:
+    def __init__(self, signals: Iterable[str | int], chain: bool = True) -> None:
         self.signals = [parse_signal(s) for s in signals]
+        self.chain = chain
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def _handler(self, signum: int, _frame: FrameType | None) -> None:
-        # Only a flag: no I/O, no collectives (they may deadlock against a rank inside a collective).
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        # The flag only: no I/O, no collectives (they may deadlock against a rank inside a collective).
         if self.received is None:
             self.received = signum
+        if self.chain:
+            for handler in chained_handlers(self._previous.get(signum)):
+                handler(signum, frame)
 
-    def install(self) -> None:
-        """Replace the current handlers (keeping them for :meth:`restore`). Main thread only."""
+    def remember(self) -> None:
+        """Record the current handlers as the ones to chain and to :meth:`restore` (a later :meth:`install` keeps
+        them). Call it before anything else replaces them (Lightning does at the start of ``fit``)."""
         for sig in self.signals:
             self._previous.setdefault(int(sig), signal.getsignal(sig))
+
+    def install(self) -> None:
+        """Replace the current handlers (remembering them for chaining and :meth:`restore`, unless
+        :meth:`remember` already did). Main thread only."""
+        self.remember()
+        for sig in self.signals:
             signal.signal(sig, self._handler)
 
     def restore(self) -> None:
-        """Put back the handlers that were active before :meth:`install`."""
+        """Put back the handlers remembered by :meth:`remember` / :meth:`install` (no-op when there are none)."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()

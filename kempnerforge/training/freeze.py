@@ -55,11 +55,17 @@ def _component(fqn: str) -> str:
     return fqn.split(".", 1)[0]
 
 
-def trainable_names(model: nn.Module, spec: FreezeSpec) -> set[str]:
+def trainable_names(model: nn.Module, spec: FreezeSpec, vlm: bool = True) -> set[str]:
     """Canonical FQNs of the parameters of ``model`` that train under ``spec``.
 
+    Args:
+        model: a VLM (``vlm``: every parameter under one of :data:`COMPONENTS`) or any module (``vlm=False``:
+            a component flag freezes a top-level submodule of that name if there is one; patterns work as always).
+        spec: what is frozen.
+        vlm: require the VLM layout.
+
     Raises:
-        ValueError: a pattern matches no parameter (named; a typo would otherwise freeze nothing), or a
+        ValueError: a pattern matches no parameter (named; a typo would otherwise freeze nothing), or (``vlm``) a
             parameter lies outside :data:`COMPONENTS`.
     """
     names = [canonical_fqn(n) for n, _ in model.named_parameters()]
@@ -69,20 +75,22 @@ def trainable_names(model: nn.Module, spec: FreezeSpec) -> set[str]:
     out = set()
     for n in names:
         component = _component(n)
-        if component not in COMPONENTS:
+        if component not in COMPONENTS and vlm:
             raise ValueError(f"parameter {n!r} is outside the VLM components {list(COMPONENTS)}.")
-        frozen = getattr(spec, component) or any(fnmatchcase(n, p) for p in spec.frozen_patterns)
+        by_component = component in COMPONENTS and getattr(spec, component)
+        frozen = by_component or any(fnmatchcase(n, p) for p in spec.frozen_patterns)
         if not frozen or any(fnmatchcase(n, p) for p in spec.trainable_patterns):
             out.add(n)
     return out
 
 
-def apply_freeze(model: nn.Module, spec: FreezeSpec) -> set[str]:
+def apply_freeze(model: nn.Module, spec: FreezeSpec, vlm: bool = True) -> set[str]:
     """Set ``requires_grad`` of every parameter of ``model`` from ``spec``; returns the trainable FQNs.
 
     A frozen encoder switches to eval mode at once (see :class:`~kempnerforge.model.vision.VisionEncoder`).
+    ``vlm``: as :func:`trainable_names`.
     """
-    train = trainable_names(model, spec)
+    train = trainable_names(model, spec, vlm)
     for name, p in model.named_parameters():
         p.requires_grad_(canonical_fqn(name) in train)
     encoder = getattr(model, "encoder", None)
@@ -91,9 +99,9 @@ def apply_freeze(model: nn.Module, spec: FreezeSpec) -> set[str]:
     return train
 
 
-def ever_trainable(model: nn.Module, specs: list[FreezeSpec]) -> list[nn.Parameter]:
+def ever_trainable(model: nn.Module, specs: list[FreezeSpec], vlm: bool = True) -> list[nn.Parameter]:
     """Parameters trainable under at least one of ``specs`` (what the optimizer must hold), in model order."""
-    names = set().union(*(trainable_names(model, s) for s in specs))
+    names = set().union(*(trainable_names(model, s, vlm) for s in specs))
     return [p for n, p in model.named_parameters() if canonical_fqn(n) in names]
 
 

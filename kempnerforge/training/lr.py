@@ -14,7 +14,9 @@ Families (``SchedulerConfig.decay``), all from ``lr`` down to ``min_lr_ratio * l
 - ``none``: no schedule at all (the optimizer's LR at every step; needs ``warmup_steps = 0``).
 
 ``p`` is the decay progress in [0, 1]. Warmup is ``(step + 1) / warmup_steps``, so no step runs at
-LR 0. Resuming under a different ``total_steps`` (e.g. a changed ``trainer.max_steps``) is refused
+LR 0. A warmup longer than the run is clamped to the run's ``total_steps`` with a warning (as torchtitan
+does), so the LR still reaches its peak, at the last step; a warmup of exactly ``total_steps`` is warned
+about (it leaves nothing to decay). Resuming under a different ``total_steps`` (e.g. a changed ``trainer.max_steps``) is refused
 by :class:`WarmupDecayLR` rather than silently bending the curve: keep ``max_steps`` or pin
 ``model.scheduler.total_steps`` to the saved value.
 """
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
 
 DECAYS = ("cosine", "linear", "wsd", "rex", "constant", "none")
@@ -186,13 +189,37 @@ class WarmupDecayLR(LambdaLR):
         return state
 
 
+def clamp_warmup(cfg: SchedulerConfig, total_steps: int) -> SchedulerConfig:
+    """``cfg`` with ``warmup_steps`` clamped to ``total_steps`` when it is longer (warned once, on rank 0: the LR
+    would otherwise never reach its peak); ``warmup_steps == total_steps`` is kept and warned about (no decay).
+    torchtitan clamps the same way (``lr_scheduler.warmup_steps`` > training steps)."""
+    if cfg.decay == "none" or cfg.warmup_steps < total_steps:
+        return cfg
+    fix = (
+        "set model.scheduler.warmup_steps below the run's steps (trainer.max_steps or model.scheduler.total_steps) "
+        "to warm up and then decay"
+    )
+    if cfg.warmup_steps == total_steps:
+        rank_zero_warn(
+            f"model.scheduler.warmup_steps={cfg.warmup_steps} equals the run's {total_steps} steps: the LR reaches "
+            f"its peak at the last step and never decays; {fix}."
+        )
+        return cfg
+    rank_zero_warn(
+        f"model.scheduler.warmup_steps={cfg.warmup_steps} is longer than the run's {total_steps} steps: warmup "
+        f"clamped to {total_steps} steps, so the LR reaches its peak at the last step (with no decay); {fix}."
+    )
+    return replace(cfg, warmup_steps=total_steps)
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer,
     cfg: SchedulerConfig,
     total_steps: int,
     lr_scale: Callable[[int], float] | None = None,
 ) -> WarmupDecayLR:
-    """:class:`WarmupDecayLR` for ``cfg`` (times ``lr_scale(step)`` when given).
+    """:class:`WarmupDecayLR` for ``cfg`` (times ``lr_scale(step)`` when given), with a warmup longer than
+    ``total_steps`` clamped to it (:func:`clamp_warmup`).
 
     Raises:
         ValueError: ``total_steps`` < 1.
@@ -202,4 +229,4 @@ def build_scheduler(
             f"The LR schedule needs a positive number of steps; got {total_steps}. "
             "Set trainer.max_steps or model.scheduler.total_steps."
         )
-    return WarmupDecayLR(optimizer, cfg, total_steps, lr_scale)
+    return WarmupDecayLR(optimizer, clamp_warmup(cfg, total_steps), total_steps, lr_scale)

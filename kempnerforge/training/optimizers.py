@@ -44,7 +44,7 @@ class OptimizerConfig:
 
     name: str = "adamw"
     """One of ``adamw``, ``muon`` (Muon on hidden 2-D weights, AdamW on the rest), ``lion``,
-    ``schedule_free_adamw`` (use with ``scheduler.name`` ``constant`` or ``none``)."""
+    ``schedule_free_adamw`` (use with ``scheduler.decay`` ``constant`` or ``none``)."""
     lr: float = 3e-4
     """Peak learning rate (reached at the end of warmup). Lion usually wants 3-10x less than AdamW."""
     weight_decay: float = 0.1
@@ -263,7 +263,7 @@ def build_schedule_free_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.o
     ``y`` in the parameters for training; ``optimizer.eval()`` swaps ``x`` in.
     :class:`~kempnerforge.module.CausalLM` calls ``eval()`` around validation and ``train()`` after
     it, and checkpoints are written in train mode (``y`` in the weights, ``z`` in the state), which
-    makes resuming bit-exact. Warmup comes from the LR scheduler (``scheduler.name`` constant or none).
+    makes resuming bit-exact. Warmup comes from the LR scheduler (``scheduler.decay`` constant or none).
     """
     from schedulefree import AdamWScheduleFree
 

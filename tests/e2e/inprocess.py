@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import random
 import subprocess
@@ -36,14 +37,23 @@ def kforge_in_process(*args: str, cwd: Path = REPO) -> subprocess.CompletedProce
     Returns:
         ``CompletedProcess``: ``returncode`` is the ``SystemExit`` code (0 when ``main`` returns; 1, with the
         traceback on stderr as the interpreter would print it, when it raises), ``stdout`` / ``stderr`` what it
-        wrote there.
+        wrote there, Lightning's log lines included (its handlers hold the real stderr: they are pointed at the
+        captured one for the call).
     """
     out, err = io.StringIO(), io.StringIO()
     env, cwd_before, argv = dict(os.environ), os.getcwd(), sys.argv
     had_group = dist.is_initialized()
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
     code = 0
+    streams = [
+        (h, h.stream)
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric")
+        for h in logging.getLogger(name).handlers
+        if type(h) is logging.StreamHandler
+    ]
     try:
+        for handler, _ in streams:
+            handler.setStream(err)
         os.chdir(cwd)
         sys.argv = ["kforge", *args]  # what LightningCLI sees in a real `kforge` process (pytest's otherwise)
         with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -57,6 +67,8 @@ def kforge_in_process(*args: str, cwd: Path = REPO) -> subprocess.CompletedProce
                 traceback.print_exc(file=err)
                 code = 1
     finally:
+        for handler, stream in streams:
+            handler.setStream(stream)
         if not had_group and dist.is_initialized():  # KempnerStrategy's 1-rank group outlives Trainer.fit
             dist.destroy_process_group()
         os.chdir(cwd_before)

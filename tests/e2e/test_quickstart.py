@@ -45,3 +45,25 @@ def test_debug_recipe_reaches_val_loss_below_6(tmp_path):
     assert len(val) == 2 and val[0] > val[1] and val[-1] < 6.0, val
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000100.ckpt"
     print(f"debug recipe: {wall:.0f} s wall, val/loss {val}")
+    _readme_generate_example_prints_text(tmp_path / "ckpt")
+
+
+def _readme_generate_example_prints_text(ckpt: Path) -> None:
+    """The README's first `kforge generate` example, on this checkpoint, prints words for every prompt (greedy
+    decoding of the debug model repeats newlines: the example samples)."""
+    import re
+    import shlex
+
+    from tests.e2e.inprocess import kforge_in_process
+
+    readme = (REPO / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("kforge generate --ckpt checkpoints/debug --prompt"))
+    args = [str(ckpt) if a == "checkpoints/debug" else a for a in shlex.split(line.split("#")[0])[1:]]
+    proc = kforge_in_process(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    completions = re.findall(r"^--- \[\d+\] (.*?)(?=^--- \[|^generated )", proc.stdout, flags=re.S | re.M)
+    assert len(completions) == args.count("--prompt"), proc.stdout
+    for text in completions:
+        words = re.findall(r"[A-Za-z]{2,}", text)
+        assert len(words) >= 8 and len(set(words)) >= 5, text
+    print(proc.stdout)

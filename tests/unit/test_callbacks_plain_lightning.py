@@ -211,3 +211,42 @@ def test_kforge_adds_its_progress_bar_unless_one_is_configured():
     off = {"callbacks": None, "enable_progress_bar": False}
     add_default_progress_bar(off)
     assert off["callbacks"] is None
+
+
+class _RecordBias(Callback):
+    def __init__(self) -> None:
+        self.bias: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
+        self.bias.append(pl_module.layer.bias.detach().clone())
+
+
+def test_freeze_schedule_on_a_plain_module_freezes_by_parameter_name(tmp_path):
+    """Issue 18: patterns over the module's named_parameters(); before steps[0] everything trains as the module set it."""
+    from kempnerforge.callbacks import FreezeSchedule
+
+    model, record = BoringModel(), _RecordBias()
+    schedule = FreezeSchedule(steps=[2], specs=[{"frozen_patterns": ["layer.bias"]}])
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=5, accelerator="cpu", logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[schedule, record])  # fmt: skip
+    trainer.fit(model)
+    b = record.bias  # at the start of steps 0..4; the bias trains in steps 0 and 1, then is frozen
+    assert not torch.equal(b[0], b[1]) and not torch.equal(b[1], b[2])
+    assert torch.equal(b[2], b[3]) and torch.equal(b[3], b[4]) and torch.equal(b[4], model.layer.bias)
+    assert model.layer.weight.requires_grad and not model.layer.bias.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"backbone": True}, r"specs\[0\] freezes \['backbone'\], but BoringModel has no such submodule"),
+        ({"frozen_patterns": ["encoder.*"]}, r"specs\[0\]: freeze pattern 'encoder.\*' matches no parameter"),
+    ],
+)
+def test_freeze_schedule_refuses_what_the_module_does_not_have(tmp_path, spec, match):
+    from kempnerforge.callbacks import FreezeSchedule
+
+    trainer = Trainer(default_root_dir=tmp_path, max_steps=2, accelerator="cpu", logger=False,
+                      enable_checkpointing=False, callbacks=[FreezeSchedule(steps=[1], specs=[spec])])  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(BoringModel())

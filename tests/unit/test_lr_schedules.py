@@ -103,3 +103,28 @@ def test_resume_under_another_total_is_refused_and_the_same_schedule_continues()
 def test_schedule_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SchedulerConfig(**kwargs)
+
+
+def test_warmup_longer_than_the_run_is_clamped_with_a_warning():
+    """Issue 18, check 7: as torchtitan, the warmup is clamped to the run (the LR reaches its peak at the last
+    step) and the clamp is said; a warmup of exactly the run is kept and warned about; a shorter one is silent."""
+    import warnings
+
+    def factors(warmup: int, total: int) -> list[float]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = build_scheduler(opt, SchedulerConfig(warmup_steps=warmup), total)
+        out = []
+        for _ in range(total):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    with pytest.warns(UserWarning, match=r"warmup_steps=200 is longer than the run's 100 steps: warmup clamped to 100"):
+        lrs = factors(200, 100)
+    assert lrs[0] == pytest.approx(1 / 100) and lrs[-1] == pytest.approx(1.0)  # unclamped: 0.5 at the end
+    with pytest.warns(UserWarning, match=r"warmup_steps=10 equals the run's 10 steps: the LR reaches its peak"):
+        assert factors(10, 10)[-1] == pytest.approx(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert factors(5, 10)[4] == pytest.approx(1.0)

@@ -1,0 +1,213 @@
+"""How ``kforge`` turns a user error into one line: ``kforge: error: <field>: <message>`` on stderr, exit status 2.
+
+What counts as a user error:
+
+- :class:`~kempnerforge.errors.UserError` (it carries its field) and the library's typed errors that only ever
+  describe input (:data:`USER_ERROR_TYPES`, matched by class name so this module imports nothing heavy),
+  wherever they are raised;
+- a ``ValueError`` / ``TypeError`` / ``FileNotFoundError`` raised while the command line is parsed, the
+  classes are instantiated or the run is checked before any process group exists (the config's own
+  validation: ``ModelConfig.n_heads=3 ...``), and jsonargparse's own parse errors.
+
+Anything else (an error inside training, a bug) keeps its traceback. For errors that do not carry a field,
+:func:`infer_field` reads it from the message: a dotted path (``data.seq_len``), a config class attribute
+(``ModelConfig.dim`` -> ``model.config.dim``) or a strategy degree (``tp=3`` -> ``trainer.strategy.init_args.tp``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+
+#: Typed errors of the library that only describe the user's input (class names, any module).
+USER_ERROR_TYPES = frozenset(
+    {
+        "MeshConfigError",
+        "Float8ConfigError",
+        "CheckpointError",
+        "CorruptCheckpointError",
+        "DataParallelMismatchError",
+        "TokenDataError",
+        "ImageDataError",
+        "VideoDataError",
+        "AllClipsFailedError",
+    }
+)
+#: Exception types that are user errors when raised while parsing / instantiating / checking the config.
+SETUP_ERROR_TYPES = (ValueError, TypeError, FileNotFoundError, NotADirectoryError)
+
+#: Config classes whose messages name ``Class.field``, and where their fields live on the command line.
+_CLASS_FIELDS = {
+    "ModelConfig": "model.config",
+    "OptimizerConfig": "model.optimizer",
+    "SchedulerConfig": "model.scheduler",
+    "VisionEncoderConfig": "model.encoder",
+    "ConnectorConfig": "model.connector",
+    "VLMConfig": "model.vlm",
+    "FreezeSpec": "model.freeze",
+    "DCPCheckpointIO": "trainer.strategy.init_args",
+    "Preemption": "trainer.callbacks.Preemption",
+    "FreezeSchedule": "trainer.callbacks.FreezeSchedule",
+}
+#: First words of a dotted path that belong under ``model.`` on the command line.
+_MODEL_PARTS = ("config", "optimizer", "scheduler", "encoder", "connector", "vlm", "freeze")
+#: ``KempnerStrategy`` arguments that messages name bare (``tp=3``, ``dp_shard=-1``).
+_STRATEGY_ARGS = (
+    "dp_replicate",
+    "dp_shard",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "sequence_parallel",
+    "loss_parallel",
+    "float8_recipe",
+    "float8_all_gather",
+    "activation_checkpointing",
+    "ac_every_n",
+    "compile",
+    "mixed_precision_param",
+    "mixed_precision_reduce",
+    "pp_schedule",
+    "pp_microbatches",
+    "pp_virtual_stages",
+    "pp_split_points",
+    "rendezvous_timeout_s",
+)
+_DOTTED = re.compile(r"(?<![\w/.-])([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)\b")
+_CLASS_ATTR = re.compile(r"\b(" + "|".join(_CLASS_FIELDS) + r")\.([a-z_][a-z0-9_]*)")
+_BARE_ARG = re.compile(r"\b(" + "|".join(_STRATEGY_ARGS) + r")=")
+_FILE_SUFFIXES = ("yaml", "yml", "json", "jsonl", "csv", "txt", "pt", "ckpt", "py", "parquet", "npy", "partial")
+
+
+def is_user_error(exc: BaseException, during_setup: bool) -> bool:
+    """Whether ``exc`` is printed as one line (see the module docstring)."""
+    from kempnerforge.errors import UserError
+
+    if isinstance(exc, UserError) or any(t.__name__ in USER_ERROR_TYPES for t in type(exc).__mro__):
+        return True
+    if type(exc).__name__ == "ArgumentError":  # jsonargparse / argparse: a bad option or value
+        return True
+    return during_setup and isinstance(exc, SETUP_ERROR_TYPES)
+
+
+def _qualify(path: str) -> str:
+    head = path.split(".", 1)[0]
+    return f"model.{path}" if head in _MODEL_PARTS else path
+
+
+def infer_field(message: str, default: str = "config") -> str:
+    """The config field a message is about (see the module docstring); ``default`` when it names none."""
+    found = _CLASS_ATTR.search(message)
+    candidates = []
+    if found:
+        candidates.append((found.start(), f"{_CLASS_FIELDS[found.group(1)]}.{found.group(2)}"))
+    for match in _DOTTED.finditer(message):
+        if match.group(1).rsplit(".", 1)[-1] not in _FILE_SUFFIXES and not match.group(1).startswith("torch."):
+            candidates.append((match.start(), _qualify(match.group(1))))
+            break
+    bare = _BARE_ARG.search(message)
+    if bare:
+        candidates.append((bare.start(), f"trainer.strategy.init_args.{bare.group(1)}"))
+    return min(candidates)[1] if candidates else default
+
+
+def _argparse_line(message: str) -> tuple[str, str]:
+    """(field, message) of a jsonargparse parse error (``Parser key "x.y":\\n  Expected ...``)."""
+    text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
+    key = re.match(r'Parser key "([^"]+)":\s*(.*)', text)
+    if key:
+        return key.group(1), key.group(2)
+    unknown = re.match(r"[Uu]nrecognized arguments: (\S+)", text)
+    if unknown:
+        option = unknown.group(1).split("=", 1)[0]
+        return option, f"unknown option {text.split(': ', 1)[1]!s} (kforge <command> --help lists every option)"
+    return "arguments", text
+
+
+def argparse_error_line(message: str) -> str:
+    """``kforge: error: <option>: <message>`` for a jsonargparse / argparse error message (any number of lines)."""
+    field, text = _argparse_line(message)
+    return f"kforge: error: {field}: {text}"
+
+
+def error_line(exc: BaseException) -> str:
+    """``kforge: error: <field>: <message>`` for ``exc``, on one line."""
+    from kempnerforge.errors import UserError
+
+    if type(exc).__name__ == "ArgumentError":
+        return argparse_error_line(str(exc))
+    else:
+        message = " ".join(str(exc).split())  # one line, whatever the message held
+        field = exc.field if isinstance(exc, UserError) else infer_field(message, default=_default_field(exc))
+    return f"kforge: error: {field}: {message}"
+
+
+def _default_field(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if name in ("CheckpointError", "CorruptCheckpointError"):
+        return "ckpt_path"
+    if name in ("MeshConfigError", "Float8ConfigError"):
+        return "trainer.strategy"
+    if name in ("TokenDataError", "ImageDataError", "VideoDataError", "AllClipsFailedError"):
+        return "data"
+    return "config"
+
+
+def exit_with_error(exc: BaseException) -> None:
+    """Print :func:`error_line` to stderr and exit with status 2.
+
+    Raises:
+        SystemExit: always, code 2 (chained to ``exc``, so ``python -X dev`` users can still see it).
+    """
+    print(error_line(exc), file=sys.stderr, flush=True)
+    raise SystemExit(2) from exc
+
+
+class HeldLogs(logging.Handler):
+    """Log lines from the start of a command (Lightning's ``Seed set to``, ``GPU available``, tips; warnings of
+    libraries that log through the root logger), held back
+    until the run's checks pass (:meth:`show` prints them then) and dropped when the command ends in a user
+    error, so a refused command prints its one ``kforge: error`` line and nothing else.
+
+    :meth:`hold` at the start, then :meth:`show` (checks passed, or any other ending) or :meth:`drop`.
+    """
+
+    #: The root logger (libraries without handlers of their own, e.g. torchao's missing-kernel warning on CPU)
+    #: and Lightning's two, which do not propagate.
+    LOGGERS = ("", "lightning.pytorch", "lightning.fabric")
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+        self._saved: dict[str, tuple[list[logging.Handler], bool]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def hold(self) -> HeldLogs:
+        """Replace the handlers of Lightning's loggers by this one (until :meth:`show` / :meth:`drop`)."""
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            self._saved[name] = (list(logger.handlers), logger.propagate)
+            logger.handlers, logger.propagate = [self], False
+        return self
+
+    def _restore(self) -> None:
+        for name, (handlers, propagate) in self._saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = handlers, propagate
+        self._saved = {}
+
+    def show(self) -> None:
+        """Put Lightning's handlers back and print what was held, in order (idempotent)."""
+        self._restore()
+        records, self.records = self.records, []
+        for record in records:
+            logging.getLogger(record.name).handle(record)
+
+    def drop(self) -> None:
+        """Put Lightning's handlers back and forget what was held."""
+        self._restore()
+        self.records = []

@@ -1,0 +1,94 @@
+"""The table of ``kforge`` subcommands: one line of help each, and the dispatch of the tools.
+
+The console script (:mod:`kempnerforge.entry`) prints :func:`help_text` without importing torch, and both it
+and :func:`kempnerforge.cli.main` run a tool through :func:`run_tool`, which imports the tool's module only
+when its command runs. A new tool is one entry in :data:`TOOLS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: LightningCLI subcommands (trainer methods), with one line of help each.
+LIGHTNING_COMMANDS: dict[str, str] = {
+    "fit": "train a recipe (kforge fit --config configs/debug.yaml); run it again and it resumes by itself",
+    "validate": "run the validation loop on a checkpoint (--ckpt_path)",
+    "test": "run the test loop on a checkpoint (--ckpt_path)",
+    "predict": "run the predict loop on a checkpoint (--ckpt_path)",
+}
+#: Tools besides the Lightning subcommands: name -> (one line of help, "module:function" taking argv).
+TOOLS: dict[str, tuple[str, str]] = {
+    "prepare-data": (
+        "tokenize text (files, folders, jsonl / parquet, datasets folders) into memory-mapped token shards",
+        "kempnerforge.data.prepare:prepare_main",
+    ),
+    "generate": (
+        "sample from a checkpoint (KV cache; --image / --video for vision-language checkpoints)",
+        "kempnerforge.tools.generate:generate_main",
+    ),
+    "convert": (
+        "DCP checkpoint <-> Hugging Face safetensors (dcp-to-hf, hf-to-dcp)",
+        "kempnerforge.tools.convert:convert_main",
+    ),
+    "eval": (
+        "perplexity of a checkpoint on its validation split or other text",
+        "kempnerforge.tools.evaluate:eval_main",
+    ),
+    "estimate": (
+        "per-rank memory, FLOPs and communication of a recipe on a simulated cluster, before you queue it",
+        "kempnerforge.tools.estimate:estimate_main",
+    ),
+    "check-env": (
+        "check CUDA, NCCL, the SLURM job, the checkpoint folder and logger credentials (exit 2 if MISSING)",
+        "kempnerforge.tools.check_env:check_env_main",
+    ),
+}
+
+
+def help_text() -> str:
+    """``kforge --help``: every command with one line."""
+    width = max(map(len, [*LIGHTNING_COMMANDS, *TOOLS])) + 2
+    lines = [
+        "usage: kforge <command> [options]        kforge <command> --help: the command's options",
+        "",
+        "kempnerforge: a Lightning trainer for decoder LLMs, MoE and vision-language models on N-D parallel meshes.",
+        "",
+        "training (LightningCLI; --config recipe.yaml, then --model.* / --data.* / --trainer.* overrides):",
+        *(f"  {name:<{width}}{text}" for name, text in LIGHTNING_COMMANDS.items()),
+        "",
+        "tools:",
+        *(f"  {name:<{width}}{text}" for name, (text, _) in TOOLS.items()),
+        "",
+        "A bad setting or path is refused before anything starts, as one line: kforge: error: <field>: <message>",
+        "(exit status 2).",
+    ]
+    return "\n".join(lines)
+
+
+def print_help(args: list[str]) -> None:
+    """``kforge`` alone or ``kforge --help``: :func:`help_text` on stdout.
+
+    Raises:
+        SystemExit: code 2 when no command was given (``kforge`` alone is a usage error).
+    """
+    print(help_text())
+    if not args:
+        raise SystemExit(2)
+
+
+def run_tool(name: str, argv: list[str]) -> None:
+    """Import and run tool ``name`` (a key of :data:`TOOLS`) with ``argv``.
+
+    Raises:
+        SystemExit: code 2 with one line when the tool is not part of this installation.
+    """
+    module_name, func = TOOLS[name][1].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        print(f"kforge: error: {name}: this installation has no {module_name}", file=sys.stderr)
+        raise SystemExit(2) from err
+    getattr(module, func)(argv)

@@ -1,0 +1,32 @@
+"""The ``kforge`` console script. ``kforge --help`` prints without importing torch or Lightning (well under a
+second; importing them takes 5-15 s on a busy login node), a tool imports only its own module, and the
+training commands go on to the LightningCLI (:func:`kempnerforge.cli.main`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kempnerforge.commands import TOOLS, print_help, run_tool
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``kforge`` console script.
+
+    Args:
+        argv: arguments without the program name (None: ``sys.argv[1:]``).
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help"):
+        print_help(args)
+        return
+    if args[0] in TOOLS:
+        run_tool(args[0], args[1:])
+        return
+    from kempnerforge.cli import main as cli_main  # torch, Lightning: only for the training commands
+
+    cli_main(argv)
+
+
+if __name__ == "__main__":
+    main()
