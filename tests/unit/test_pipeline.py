@@ -12,7 +12,7 @@ from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.model import Transformer
 from kempnerforge.module import CausalLM
-from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
+from kempnerforge.parallel.mesh import MeshConfigError
 from kempnerforge.parallel.pipeline import (
     SCHEDULES,
     is_vision_language,
@@ -144,7 +144,7 @@ def test_strategy_validates_the_model_and_data_before_allocating(config, strateg
     strat._lightning_module = CausalLM(config=config)
     data = TokenDataModule(data_dir=str(tmp_path), seq_len=8, micro_batch_size=4)
     with pytest.raises(MeshConfigError, match=message):
-        strat._validate_pipeline(ParallelDims(pp=2, world_size=2), data)
+        strat.check_layout(2, strat._lightning_module, data)
 
 
 @pytest.mark.parametrize(
@@ -163,4 +163,4 @@ def test_strategy_refuses_loss_options_the_pipeline_does_not_compute(module_attr
     data = TokenDataModule(data_dir=str(tmp_path), seq_len=8, micro_batch_size=4)
     vars(data).update(data_attr)
     with pytest.raises(MeshConfigError, match=message):
-        strat._validate_pipeline(ParallelDims(pp=2, world_size=2), data)
+        strat.check_layout(2, strat._lightning_module, data)
