@@ -190,7 +190,8 @@ def normal_init_(
     lo, hi = (a if math.isfinite(a) else None), (b if math.isfinite(b) else None)
 
     def finish(t: torch.Tensor) -> torch.Tensor:
-        z = t.erfinv_().mul_(std * math.sqrt(2)).add_(mean)
+        z = t.erfinv_().mul_(std * math.sqrt(2))
+        z = z.add_(mean) if mean else z
         return z if lo is None and hi is None else z.clamp_(lo, hi)  # rounding at the bounds
 
     _fill_(param, fqn, seed, ta, tb, finish)
