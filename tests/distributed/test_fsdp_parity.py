@@ -30,8 +30,11 @@ def test_fsdp_dp_shard_2_matches_single_process(single, fsdp2):
     assert len(record["losses"]) == len(single["losses"]) == 20
     for a, b in zip(record["losses"], single["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+    # Grad norms carry the reduction order (a reduce-scatter of 2 halves vs one sum) amplified by Adam over the
+    # steps: measured up to 9e-6 relative with the previous init's weights and 1.9e-5 (one step) with the current
+    # ones, while the losses agree to 2e-7 throughout.
     for a, b in zip(record["grad_norms"], single["grad_norms"], strict=True):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+        assert a == pytest.approx(b, rel=3e-5, abs=1e-6)
     assert single["losses"][0] > 10.0  # ~ln(50257) at init
     assert single["losses"][-1] < single["losses"][0] - 2.0
 
