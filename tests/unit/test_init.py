@@ -316,3 +316,11 @@ def test_random_encoder_draws_each_tensor_from_hfs_init_distribution(family):
         else:
             n = w.numel()
             assert _ks2(g, w.detach()) < math.sqrt(-math.log(1e-6 / 2) / 2) * math.sqrt(2 / n), name
+
+
+def test_low_precision_parameters_get_the_float64_value_rounded_once():
+    w = torch.empty(64, 64, dtype=torch.bfloat16)
+    trunc_normal_init_(w, "w", 0, 0.02)
+    ref = torch.empty(64, 64, dtype=torch.float64)
+    trunc_normal_init_(ref, "w", 0, 0.02)
+    assert torch.equal(w, ref.to(torch.bfloat16))
