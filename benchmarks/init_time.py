@@ -9,18 +9,24 @@ draw differs:
   it (every rank of a mesh did all of this for every parameter);
 - new: :func:`kempnerforge.model.init.trunc_normal_init_` (counter-based, only the local shard, in chunks).
 
-The parameters are materialized and touched once before either runs; each variant's figure is its wall time (best
-of ``--repeats``, alternating the two) and its peak working memory: the rise of the peak resident set (``VmHWM``,
-reset through ``/proc/self/clear_refs`` before each run) over the resident set before it.
+Each run is a fresh process (alternating the two variants, ``--repeats`` each) that builds the model on meta,
+materializes and touches its parameters, then times one ``init_weights``: wall seconds and process CPU seconds (all
+threads), best of the repeats, and the peak working memory: the rise of the peak resident set (``VmHWM``, reset
+through ``/proc/self/clear_refs`` just before init) over the resident set then. On a shared machine the CPU seconds
+are the steadier figure (wall time includes waiting for a core).
 
-    python benchmarks/init_time.py                       # the 490M model, torch's default threads
-    python benchmarks/init_time.py --n_layers 8 --threads 1 --json /tmp/init.json
+    python benchmarks/init_time.py                       # the 490M model, 1 thread
+    python benchmarks/init_time.py --n_layers 8 --threads 2 --json /tmp/init.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import resource
+import subprocess
+import sys
 import time
 from unittest import mock
 
@@ -29,6 +35,7 @@ from torch import nn
 
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import decoder_init
+from kempnerforge.model import init as kinit
 from kempnerforge.model.init import copy_full_, param_seed
 from kempnerforge.model.transformer import Transformer
 
@@ -54,24 +61,41 @@ def _kib(field: str) -> int | None:
     return None
 
 
-def _measure(model: Transformer, previous: bool) -> tuple[float, int | None]:
-    """(seconds, peak working bytes or None where /proc is unavailable) of one ``init_weights``."""
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_once(args: argparse.Namespace) -> dict:
+    """One variant in this process: build, materialize, touch, then time and measure ``init_weights``."""
+    torch.set_num_threads(args.threads)
+    kinit.CHUNK_ELEMENTS = args.chunk
+    cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=16, n_kv_heads=8, vocab_size=args.vocab_size,
+                      max_seq_len=256, multiple_of=256)  # fmt: skip
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # touch the pages: the memory figure is init's working memory only
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         base = _kib("VmRSS")
     except OSError:
         base = None
-    patch = mock.patch.object(decoder_init, "trunc_normal_init_", previous_trunc_normal_init_) if previous else None
-    start = time.perf_counter()
-    if patch:
-        with patch:
-            model.init_weights(seed=0)
-    else:
+    patch = mock.patch.object(decoder_init, "trunc_normal_init_", previous_trunc_normal_init_)
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    with patch if args.variant == "previous" else contextlib.nullcontext():
         model.init_weights(seed=0)
-    seconds = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
     peak = _kib("VmHWM")
-    return seconds, None if base is None or peak is None else (peak - base) * 1024
+    return {
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "peak_working_bytes": None if base is None or peak is None else (peak - base) * 1024,
+    }
 
 
 def main() -> None:
@@ -80,38 +104,43 @@ def main() -> None:
     parser.add_argument("--n_layers", type=int, default=36)
     parser.add_argument("--vocab_size", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each run")
+    parser.add_argument(
+        "--chunk", type=int, default=kinit.chunk_elements(torch.device("cpu")), help="the new init's chunk (elements)"
+    )
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--variant", choices=["previous", "new"], help=argparse.SUPPRESS)  # a child run
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=16, n_kv_heads=8, vocab_size=args.vocab_size,
-                      max_seq_len=256, multiple_of=256)  # fmt: skip
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()  # touch the pages: the runs' memory figures are their working memory only
-    n = sum(p.numel() for p in model.parameters())
-    runs: dict[str, list[tuple[float, int | None]]] = {"previous": [], "new": []}
+    if args.variant:
+        print(json.dumps(run_once(args)))
+        return
+    shape = ["--dim", str(args.dim), "--n_layers", str(args.n_layers), "--vocab_size", str(args.vocab_size)]
+    shape += ["--threads", str(args.threads), "--chunk", str(args.chunk)]
+    runs: dict[str, list[dict]] = {"previous": [], "new": []}
     for _ in range(args.repeats):
         for name in runs:
-            runs[name].append(_measure(model, previous=name == "previous"))
-    best = {k: min(s for s, _ in v) for k, v in runs.items()}
-    peak = {k: max((b or 0) for _, b in v) for k, v in runs.items()}
+            cmd = [sys.executable, __file__, *shape, "--variant", name]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    n = runs["new"][0]["n_params"]
+    best = {k: {m: min(r[m] for r in v) for m in ("wall_s", "cpu_s")} for k, v in runs.items()}
+    peak = {k: max(r["peak_working_bytes"] or 0 for r in v) for k, v in runs.items()}
     result = {
         "n_params": n,
-        "threads": torch.get_num_threads(),
-        "seconds": best,
-        "ns_per_param": {k: v / n * 1e9 for k, v in best.items()},
-        "speedup_new_over_previous": best["previous"] / best["new"],
+        "threads": args.threads,
+        "chunk_elements": args.chunk,
+        "best": best,
+        "runs": runs,
+        "cpu_speedup_new_over_previous": best["previous"]["cpu_s"] / best["new"]["cpu_s"],
+        "wall_speedup_new_over_previous": best["previous"]["wall_s"] / best["new"]["wall_s"],
         "peak_working_bytes": peak,
     }
     print(
-        f"init of {n / 1e6:.0f}M params on 1 process, {result['threads']} threads: previous {best['previous']:.1f} s "
-        f"(peak working memory {peak['previous'] / 2**20:.0f} MiB), new {best['new']:.1f} s "
-        f"({peak['new'] / 2**20:.0f} MiB); new is {result['speedup_new_over_previous']:.2f}x faster"
+        f"init of {n / 1e6:.0f}M params on 1 process, {args.threads} thread(s): "
+        f"previous {best['previous']['wall_s']:.1f} s wall / {best['previous']['cpu_s']:.1f} s CPU "
+        f"(peak working memory {peak['previous'] / 2**20:.0f} MiB), new {best['new']['wall_s']:.1f} s / "
+        f"{best['new']['cpu_s']:.1f} s ({peak['new'] / 2**20:.0f} MiB); new/previous time ratio "
+        f"{1 / result['wall_speedup_new_over_previous']:.2f} wall, {1 / result['cpu_speedup_new_over_previous']:.2f} CPU"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -3,7 +3,7 @@
 Every element of every parameter is a pure function of (seed, canonical parameter FQN, the element's flat index in
 the *global* tensor): ``value = F(key(seed, fqn), i)``. Each rank computes only the elements it stores, on the
 parameter's own device, from their global indices (:func:`kempnerforge.parallel.dtensor.shard_indices`), in chunks of
-:data:`CHUNK_ELEMENTS`. No rank ever builds a full parameter, per-rank init time and memory shrink with the mesh, and
+:func:`chunk_elements`. No rank ever builds a full parameter, per-rank init time and memory shrink with the mesh, and
 the global tensor is the same on every mesh (FSDP2 ``Shard(0)`` with uneven padding, ``Shard(1)``, FSDP2 x TP
 ``_StridedShard``, EP ``Shard(0)`` + expert FSDP), with or without AC / compile wrappers (:func:`canonical_fqn`), in
 any visiting order, whatever the global RNG holds.
@@ -42,10 +42,21 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from kempnerforge.parallel.dtensor import local_part, shard_indices
+from kempnerforge.parallel.dtensor import index_runs, local_part, shard_indices
 
-#: Elements generated per step: the working buffer is a few tensors of this many int64 / float64 (~10 MB).
-CHUNK_ELEMENTS = 1 << 18
+#: Elements generated per step (None: by device, :func:`chunk_elements`); the working buffer is ~4 tensors of this
+#: many int64 / float64.
+CHUNK_ELEMENTS: int | None = None
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements per generation step on ``device``: :data:`CHUNK_ELEMENTS` if set, else 2**20 on CPU (~40 MB of
+    working memory; fewer, larger ops keep intra-op thread barriers rare) and 2**22 on accelerators (~160 MB; few
+    kernel launches per parameter)."""
+    if CHUNK_ELEMENTS is not None:
+        return CHUNK_ELEMENTS
+    return 1 << 20 if device.type == "cpu" else 1 << 22
+
 
 # Wrapper modules insert these components into FQNs (activation checkpointing, torch.compile,
 # FSDP1); dropping them keeps the seed of a parameter the same with or without the wrapper.
@@ -103,66 +114,86 @@ def _mix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
 
 
-def _bits_(index: torch.Tensor, key: int, wide: bool) -> torch.Tensor:
-    """32 random bits (int64 in [0, 2**32)) per global flat ``index`` (int64, >= 0), computed in place."""
+def _bits_(index: torch.Tensor, key: int, tmp: torch.Tensor, hi: torch.Tensor | None = None) -> torch.Tensor:
+    """32 random bits (int64 in [0, 2**32)) per global flat ``index`` (int64, >= 0), computed in place.
+
+    ``tmp`` (and ``hi``, needed when some index is >= 2**32) are int64 scratch of ``index``'s shape.
+    """
     k0, k1 = key & _MASK32, key >> 32
-    tmp = torch.empty_like(index)
-    if wide:  # some index >= 2**32: the high word enters elementwise
-        hi = torch.bitwise_right_shift(index, 32).bitwise_xor_(k1)
+    if hi is not None:  # the high word enters elementwise
+        torch.bitwise_right_shift(index, 32, out=hi).bitwise_xor_(k1)
         _mix32_(hi, tmp)
         index.bitwise_and_(_MASK32)
     x = _mix32_(index.bitwise_xor_(k0), tmp)
-    if wide:
-        x.bitwise_xor_(hi)
-        x.bitwise_xor_(k1)
+    if hi is not None:
+        x.bitwise_xor_(hi).bitwise_xor_(k1)
     else:
         x.bitwise_xor_(k1 ^ mix32(k1))  # hi == 0 everywhere: mix(0 ^ k1) is one constant
     return _mix32_(x, tmp)
 
 
-def _chunks(param: torch.Tensor, chunk: int):
-    """Yield ``(flat_local_start, global_flat_indices)`` covering this rank's elements of ``param`` in local
-    row-major order, at most ``max(chunk, last dim)`` elements at a time."""
+def _chunks(param: torch.Tensor, chunk: int, out: torch.Tensor):
+    """Write the global flat indices of this rank's elements of ``param`` (local row-major order) into ``out``
+    (int64, >= ``chunk`` elements), one chunk at a time; yield ``(flat_local_start, n)`` after each.
+
+    Every chunk reuses ``out`` (fresh multi-MB tensors per chunk would cost a page fault per 4 KB on CPU).
+    """
     dims = shard_indices(param)
     shape = [len(i) for i in dims]
+    total = math.prod(shape)
+    if all(len(i) == n for i, n in zip(dims[1:], param.shape[1:], strict=True)) and (
+        len(index_runs(dims[0])) <= 1 if param.ndim else True
+    ):  # one contiguous global range (plain tensors, Shard(0) layouts): a plain arange
+        first = int(dims[0][0]) * math.prod(param.shape[1:]) if param.ndim else 0
+        for start in range(0, total, chunk):
+            n = min(chunk, total - start)
+            torch.arange(first + start, first + start + n, out=out[:n])
+            yield start, n
+        return
     strides = [math.prod(param.shape[d + 1 :]) for d in range(param.ndim)]
     offs = [i.to(torch.int64) * s for i, s in zip(dims, strides, strict=True)]
-    device = local_part(param).device
     # The trailing dims whose block fits in a chunk are laid out once; the leading ones are walked in groups of rows.
     k = param.ndim
     while k > 0 and math.prod(shape[k - 1 :]) <= chunk:
         k -= 1
-    inner = torch.zeros((), dtype=torch.int64, device=device)
+    inner = torch.zeros((), dtype=torch.int64, device=out.device)
     for d in range(k, param.ndim):
         inner = inner.unsqueeze(-1) + offs[d]
     inner = inner.reshape(-1)
     n_inner, n_outer = inner.numel(), math.prod(shape[:k])
     rows = max(1, chunk // n_inner)
     for o0 in range(0, n_outer, rows):
-        rest = torch.arange(o0, min(o0 + rows, n_outer), device=device)
+        rest = torch.arange(o0, min(o0 + rows, n_outer), device=out.device)
         base = torch.zeros_like(rest)
         for d in reversed(range(k)):
             base += offs[d][rest % shape[d]]
             rest = rest // shape[d]
-        yield o0 * n_inner, (base.unsqueeze(-1) + inner).reshape(-1)
+        n = base.numel() * n_inner
+        torch.add(base.unsqueeze(-1), inner, out=out[:n].view(base.numel(), n_inner))
+        yield o0 * n_inner, n
 
 
 @torch.no_grad()
 def _fill_(param: torch.Tensor, fqn: str, seed: int, low: float, high: float, finish=None) -> None:
     """Write ``finish(v)`` into this rank's part of ``param``, ``v`` uniform in (low, high) in float64 from the
-    counter-based bits (``v = low + (high - low) * (x + 0.5) / 2**32``); ``finish`` maps float64 in place, or None."""
+    counter-based bits (``v = x * s + (low + s / 2)``, ``s = (high - low) / 2**32``); ``finish`` maps float64 in
+    place, or is None."""
     local = local_part(param)
     if local.numel() == 0:
         return
     key = param_seed(seed, fqn)
-    wide = param.numel() > 1 << 32
     scale = (high - low) * 2.0**-32
     shift = low + 0.5 * scale
     scratch = None if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
     flat = (local if scratch is None else scratch).view(-1)
-    for start, index in _chunks(param, CHUNK_ELEMENTS):
-        v = _bits_(index, key, wide).to(torch.float64).mul_(scale).add_(shift)
-        flat[start : start + v.numel()].copy_(v if finish is None else finish(v))
+    chunk = min(chunk_elements(local.device), local.numel())
+    index, tmp = (torch.empty(chunk, dtype=torch.int64, device=local.device) for _ in range(2))
+    hi = torch.empty_like(index) if param.numel() > 1 << 32 else None
+    values = torch.empty(chunk, dtype=torch.float64, device=local.device)
+    for start, n in _chunks(param, chunk, index):
+        bits = _bits_(index[:n], key, tmp[:n], None if hi is None else hi[:n])
+        v = values[:n].copy_(bits).mul_(scale).add_(shift)  # (an int64 * float op would compute in float32)
+        flat[start : start + n].copy_(v if finish is None else finish(v))
     if scratch is not None:  # a non-contiguous local view (never FSDP2's): one shard-sized copy
         local.copy_(scratch)
 

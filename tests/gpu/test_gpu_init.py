@@ -18,8 +18,9 @@ pytestmark = pytest.mark.gpu
 def test_bits_are_identical_on_cuda_and_cpu():
     key = param_seed(0, "layers.0.attention.wq.weight")
     index = torch.arange(1 << 20, dtype=torch.int64) * 4099 + (1 << 33)
-    cpu = kinit._bits_(index.clone(), key, wide=True)
-    cuda = kinit._bits_(index.cuda(), key, wide=True)
+    cpu = kinit._bits_(index.clone(), key, torch.empty_like(index), torch.empty_like(index))
+    gpu = index.cuda()
+    cuda = kinit._bits_(gpu, key, torch.empty_like(gpu), torch.empty_like(gpu))
     assert torch.equal(cuda.cpu(), cpu)
 
 

@@ -56,9 +56,9 @@ def _ks_crit(n: int, alpha: float = 1e-6) -> float:
 def test_bits_equal_the_scalar_definition_including_indices_past_2_32():
     key = param_seed(7, "layers.3.attention.wq.weight")
     index = torch.tensor([0, 1, 2, 12345, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 2**41 + 3])
-    wide = kinit._bits_(index.clone(), key, wide=True)
+    wide = kinit._bits_(index.clone(), key, torch.empty_like(index), torch.empty_like(index))
     assert wide.tolist() == [counter_bits(key, int(i)) for i in index]
-    narrow = kinit._bits_(index[:6].clone(), key, wide=False)
+    narrow = kinit._bits_(index[:6].clone(), key, torch.empty(6, dtype=torch.int64))
     assert narrow.tolist() == wide[:6].tolist()
     assert 0 <= wide.min().item() and wide.max().item() < 2**32
 
