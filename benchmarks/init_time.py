@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -124,23 +125,26 @@ def main() -> None:
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
     n = runs["new"][0]["n_params"]
     best = {k: {m: min(r[m] for r in v) for m in ("wall_s", "cpu_s")} for k, v in runs.items()}
+    median = {k: {m: statistics.median(r[m] for r in v) for m in ("wall_s", "cpu_s")} for k, v in runs.items()}
     peak = {k: max(r["peak_working_bytes"] or 0 for r in v) for k, v in runs.items()}
     result = {
         "n_params": n,
         "threads": args.threads,
         "chunk_elements": args.chunk,
         "best": best,
+        "median": median,
         "runs": runs,
         "cpu_speedup_new_over_previous": best["previous"]["cpu_s"] / best["new"]["cpu_s"],
         "wall_speedup_new_over_previous": best["previous"]["wall_s"] / best["new"]["wall_s"],
         "peak_working_bytes": peak,
     }
     print(
-        f"init of {n / 1e6:.0f}M params on 1 process, {args.threads} thread(s): "
-        f"previous {best['previous']['wall_s']:.1f} s wall / {best['previous']['cpu_s']:.1f} s CPU "
-        f"(peak working memory {peak['previous'] / 2**20:.0f} MiB), new {best['new']['wall_s']:.1f} s / "
-        f"{best['new']['cpu_s']:.1f} s ({peak['new'] / 2**20:.0f} MiB); new/previous time ratio "
-        f"{1 / result['wall_speedup_new_over_previous']:.2f} wall, {1 / result['cpu_speedup_new_over_previous']:.2f} CPU"
+        f"init of {n / 1e6:.0f}M params on 1 process, {args.threads} thread(s), best (median) of {args.repeats}: "
+        f"previous {best['previous']['wall_s']:.1f} ({median['previous']['wall_s']:.1f}) s wall / "
+        f"{best['previous']['cpu_s']:.1f} s CPU, peak working memory {peak['previous'] / 2**20:.0f} MiB; "
+        f"new {best['new']['wall_s']:.1f} ({median['new']['wall_s']:.1f}) s / {best['new']['cpu_s']:.1f} s, "
+        f"{peak['new'] / 2**20:.0f} MiB; new/previous time {1 / result['wall_speedup_new_over_previous']:.2f} wall, "
+        f"{1 / result['cpu_speedup_new_over_previous']:.2f} CPU"
     )
     if args.json:
         with open(args.json, "w") as f:
