@@ -2,8 +2,9 @@
 
 Token counts are a pure function of the config and the patch grid (:func:`connector_tokens`), so
 ``max_seq_len`` is checked before any weight exists; the forward produces exactly that many tokens.
-Initialization follows the decoder's rule (:mod:`kempnerforge.model.init`): every weight drawn
-from its own (seed, FQN) generator, so it is identical on any mesh.
+Initialization follows the decoder's rule (:mod:`kempnerforge.model.init`): every weight drawn from
+the counter-based (seed, FQN, element index) generator, each rank only its own shard, so it is
+identical on any mesh.
 """
 
 from __future__ import annotations

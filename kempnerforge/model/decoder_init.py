@@ -3,9 +3,10 @@ VLM backbone (joint decoder, cross-attention, MoT, MoMa), so they cannot drift a
 
 The rules follow Llama / GPT-2 practice as torchtitan applies it: RMSNorm weights ones; Linear and Embedding weights
 and packed expert weights N(0, init_std**2) truncated at +-3 std; residual-branch outputs at
-init_std / sqrt(2 * n_layers) (GPT-2, Radford et al. 2019, section 2.3). Each weight draws from its own generator
-seeded from (seed, FQN) (:mod:`kempnerforge.model.init`), so the result is independent of the global RNG, of meta or
-eager builds and of FSDP2/TP sharding.
+init_std / sqrt(2 * n_layers) (GPT-2, Radford et al. 2019, section 2.3). Every element is a function of (seed, FQN,
+its global index) (:mod:`kempnerforge.model.init`'s counter-based generator): each rank generates only its own shard,
+on the parameter's device, and the result is independent of the global RNG, of meta or eager builds and of the
+FSDP2 / TP / EP / PP layout.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def init_decoder_(
 ) -> None:
     """Initialize every parameter of ``model`` and its RoPE tables in place, by the rules in the module docstring.
 
-    ``model`` must hold ``rope_cos`` / ``rope_sin`` buffers (max_seq_len, head_dim // 2); the tables are computed on
-    CPU in fp32 and copied (bitwise the same on every device). MoE routers' selection bias (``expert_bias``) is
+    ``model`` must hold ``rope_cos`` / ``rope_sin`` buffers (max_seq_len, head_dim // 2); the tables (replicated
+    buffers, O(max_seq_len * head_dim)) are computed on CPU in fp32 and copied (bitwise the same on every device). MoE routers' selection bias (``expert_bias``) is
     zeroed. A tied head is initialized once, under the embedding's FQN (modules are visited in registration order).
 
     Args:

@@ -1,22 +1,28 @@
 """Vision encoders: SigLIP and CLIP vision towers from ``transformers``, pretrained or random.
 
 The tower is built on whatever device is current (the meta device under KempnerStrategy); its
-weights are set by :meth:`VisionEncoder.init_weights`, which loads the ``save_pretrained`` folder
-again (pretrained) or draws HF's own init from a seeded CPU generator (random). Either way the full
-tensors are built on CPU and each rank copies only its shard (:func:`kempnerforge.model.init.copy_full_`),
-so the weights survive meta-device construction, FSDP2 sharding and ``to_empty`` unchanged.
+weights are set by :meth:`VisionEncoder.init_weights`, after sharding, and no rank ever holds more than
+its own shard: a pretrained tower reads only this rank's slices of the ``save_pretrained`` folder's
+safetensors files (:class:`~kempnerforge.model.safetensors_shards.SafetensorsFolder`); a random tower
+draws each tensor from HF's own init distribution for it (:func:`~kempnerforge.model.hf_init.hf_init_plan`)
+with the counter-based sharded generator (:mod:`kempnerforge.model.init`), so it is the same on every mesh.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from kempnerforge.config.vision import ENCODER_FAMILIES, VisionEncoderConfig
-from kempnerforge.model.init import copy_full_
+from kempnerforge.model.hf_init import apply_rule_, hf_init_plan
+from kempnerforge.model.init import canonical_fqn
+from kempnerforge.model.safetensors_shards import SafetensorsFolder
+
+log = logging.getLogger(__name__)
 
 #: family -> (model_type values in a config.json, transformers vision config / model / image processor names).
 _FAMILIES: dict[str, tuple[tuple[str, ...], str, str, str]] = {
@@ -145,33 +151,54 @@ class VisionEncoder(nn.Module):
         hidden = self.model(pixel_values=pixel_values).last_hidden_state
         return hidden[:, 1:] if self._drop_cls else hidden
 
-    def reference_state(self, seed: int) -> dict[str, torch.Tensor]:
-        """Full CPU tensors for every parameter and buffer of :attr:`model`, by FQN.
-
-        Pretrained: loaded again from ``pretrained_path`` (``from_pretrained``). Random: HF's own
-        init of a CPU copy under ``torch.manual_seed(seed)`` in a forked RNG (the global RNG is left
-        untouched), identical on every rank.
-        """
-        model_cls = type(self.model)
-        if self.cfg.pretrained_path is not None:
-            ref = model_cls.from_pretrained(self.cfg.pretrained_path, dtype=torch.float32)
-        else:
-            with torch.random.fork_rng(devices=[]), torch.device("cpu"):
-                torch.manual_seed(seed)
-                ref = model_cls(self.model.config)
-        return {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
-
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Set every parameter and buffer from :meth:`reference_state` (sharded copies for DTensors).
+    def init_weights(self, seed: int = 0, prefix: str = "encoder") -> None:
+        """Set every parameter and buffer of :attr:`model` in place, each rank writing only its own shard.
+
+        Pretrained (``pretrained_path``): each tensor is read from the folder's safetensors files, only the
+        elements this rank stores (keys as ``from_pretrained`` matches them: the name itself, or under the
+        model's ``base_model_prefix`` as in a full SigLIP / CLIP checkpoint). What the folder lacks (non-persistent
+        buffers such as ``position_ids``, or weights a warning lists, as ``from_pretrained`` initializes them) gets
+        the random rule below. Bitwise equal to ``from_pretrained(path, dtype=float32)``.
+
+        Random: HF's own init distribution for each tensor (:func:`~kempnerforge.model.hf_init.hf_init_plan`: e.g.
+        SigLIP's xavier-uniform projections, LeCun-normal patch embedding, N(0, 1/width) positions), drawn from
+        (seed, ``f"{prefix}.model.{name}"``) by the counter-based generator: the same weights on every mesh.
 
         Raises:
-            KeyError: a parameter or buffer of the tower is missing from the reference (names it).
+            FileNotFoundError: ``pretrained_path`` holds no safetensors weights.
+            ValueError: a tensor in the folder has another shape than the model's, or the folder holds none of
+                the model's weights (not this tower's checkpoint).
         """
-        ref = self.reference_state(seed)
-        tensors = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        missing = sorted(set(tensors) - set(ref))
-        if missing:
-            raise KeyError(f"vision encoder reference has no values for {missing}")
+        plan = hf_init_plan(type(self.model), self.model.config)
+        tensors = {canonical_fqn(n): t for n, t in (*self.model.named_parameters(), *self.model.named_buffers())}
+        loaded: set[str] = set()
+        if self.cfg.pretrained_path is not None:
+            loaded = self._load_pretrained(tensors)
         for name, tensor in tensors.items():
-            copy_full_(tensor, ref[name].detach().to(torch.float32) if tensor.is_floating_point() else ref[name])
+            if name not in loaded:
+                apply_rule_(tensor, plan[name], f"{prefix}.model.{name}", seed)
+
+    def _load_pretrained(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        """Read every tensor the folder holds into ``tensors`` (this rank's shard only); the names read."""
+        prefix = getattr(self.model, "base_model_prefix", "")
+        with SafetensorsFolder(self.cfg.pretrained_path) as folder:
+            keys = folder.keys()
+            found = {}
+            for name in tensors:
+                for key in (name, f"{prefix}.{name}" if prefix else None):
+                    if key in keys:
+                        found[name] = key
+                        break
+            if not found:
+                raise ValueError(
+                    f"encoder.pretrained_path={self.cfg.pretrained_path!r} holds none of the "
+                    f"{type(self.model).__name__} weights (e.g. {next(iter(tensors))!r})."
+                )
+            for name, key in found.items():
+                folder.read_shard_(tensors[name], key)
+        params = {canonical_fqn(n) for n, _ in self.model.named_parameters()}
+        missing = sorted(params - set(found))
+        if missing:
+            log.warning("encoder weights missing from %s, newly initialized: %s", self.cfg.pretrained_path, missing)
+        return set(found)

@@ -100,8 +100,9 @@ class PipelineRunner:
         return self.stage_modules
 
     def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
-        """Allocate the meta tensors on ``device`` and run ``model.init_weights(seed)`` (per-FQN seeds,
-        so the weights equal the unsplit model's).
+        """Allocate the meta tensors on ``device`` and run ``model.init_weights(seed)``: each element is drawn from
+        (seed, FQN, global index) on ``device``, for this rank's stages and shards only, so the weights equal the
+        unsplit model's.
 
         FSDP2 stages are materialized through their own ``to_empty`` (FSDP2 re-registers its sharded
         parameters there); what remains on meta (RoPE buffers, unsharded stages) is allocated in place.

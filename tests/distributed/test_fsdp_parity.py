@@ -29,13 +29,16 @@ def fsdp2(shakespeare_tokens, tmp_path_factory):
 
 
 def test_fsdp_dp_shard_2_matches_single_process(single, fsdp2):
-    """Same losses and grad norms within 1e-5 (fp32), and the loss actually moves."""
+    """Same losses within 1e-5 and grad norms within 3e-5 over 20 steps (fp32), and the loss actually moves."""
     record = fsdp2
     assert len(record["losses"]) == len(single["losses"]) == 20
     for a, b in zip(record["losses"], single["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+    # Grad norms carry the reduction order (a reduce-scatter of 2 halves vs one sum) amplified by Adam over the
+    # steps: measured up to 9e-6 relative with the previous init's weights and 1.9e-5 (one step) with the current
+    # ones, while the losses agree to 2e-7 throughout.
     for a, b in zip(record["grad_norms"], single["grad_norms"], strict=True):
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+        assert a == pytest.approx(b, rel=3e-5, abs=1e-6)
     # Issue 17 check 4 on 2 FSDP2 ranks: a callback's on_before_optimizer_step sees the gradients of the
     # logged loss (their norm is the logged train/grad_norm), in both runs.
     for run in (record, single):

@@ -40,8 +40,10 @@ def _assert_continues(resumed: dict, straight_record: dict) -> None:
     assert resumed["steps"] == [6, 7, 8, 9, 10]
     for a, b in zip(resumed["losses"], straight_record["losses"][5:], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+    # Grad norms carry the reduction order of the two layouts (see test_fsdp_parity: up to 1.9e-5 relative at one
+    # step on these weights); the losses stay at 1e-5.
     for a, b in zip(resumed["grad_norms"], straight_record["grad_norms"][5:], strict=True):
-        assert a == pytest.approx(b, rel=1e-5)
+        assert a == pytest.approx(b, rel=3e-5)
 
 
 def test_resume_dp_shard_2_checkpoint_at_one_process(straight, shakespeare_tokens, tmp_path):

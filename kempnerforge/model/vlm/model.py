@@ -75,7 +75,7 @@ class VisionLanguageModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Encoder (pretrained from disk, or HF init from ``seed``), connector and backbone (per-FQN seeds)."""
-        self.encoder.init_weights(seed)
+        self.encoder.init_weights(seed, prefix="encoder")
         self.connector.init_weights(seed, prefix="connector")
         self.backbone.init_weights(seed)
 

@@ -182,9 +182,10 @@ class PrefixBackbone(VLMBackbone):
         """Warm start from a dense :class:`~kempnerforge.model.Transformer` state dict (its FQNs),
         through :meth:`text_key` / :meth:`from_text`.
 
-        Works on plain or sharded (FSDP2 / TP DTensor) parameters: each rank copies its shard of the
-        full tensor. Values may be plain tensors or DTensors (gathered with ``full_tensor``). Every key
-        is checked before anything is copied.
+        Works on plain or sharded (FSDP2 / TP DTensor) parameters. A DTensor value that :meth:`from_text`
+        leaves on the parameter's mesh and placements (a dense model sharded the same way) is copied shard by
+        shard, with no communication and no full tensor; any other DTensor is gathered (``full_tensor``) and a
+        plain (full) tensor sliced to this rank's shard. Every key is checked before anything is copied.
 
         Raises:
             KeyError: keys this backbone needs are missing, or the state dict holds keys it cannot
@@ -203,6 +204,19 @@ class PrefixBackbone(VLMBackbone):
         for name, param in params:
             fqn = canonical_fqn(name)
             if keys[fqn] is not None:
-                full = state[keys[fqn]]
-                full = full.full_tensor() if isinstance(full, DTensor) else full
-                copy_full_(param, self.from_text(fqn, full))
+                value = self.from_text(fqn, state[keys[fqn]])
+                if _same_layout(value, param):
+                    param.to_local().copy_(value.to_local())
+                else:
+                    copy_full_(param, value.full_tensor() if isinstance(value, DTensor) else value)
+
+
+def _same_layout(value: torch.Tensor, param: torch.Tensor) -> bool:
+    """Both DTensors of one global shape on one mesh with the same placements: the local shards correspond."""
+    return (
+        isinstance(value, DTensor)
+        and isinstance(param, DTensor)
+        and value.shape == param.shape
+        and value.device_mesh == param.device_mesh
+        and tuple(value.placements) == tuple(param.placements)
+    )
