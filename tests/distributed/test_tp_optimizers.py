@@ -78,7 +78,9 @@ def _fused_equals_foreach(records: dict, layout: str) -> None:
     fused, foreach = records[f"{layout}_fused"], records[f"{layout}_foreach"]
     assert fused["steps"] == foreach["steps"] == [1, 2, 3, 4, 5]
     _close(fused["losses"], foreach["losses"], 1e-6)
-    _close(fused["grad_norms"], foreach["grad_norms"], 1e-6)
+    # The fused kernel orders its fp32 arithmetic differently; after 4 updates the grad norms drift ~1e-6 apart
+    # (a wrong parameter grouping or a skipped update moves them by > 1e-3).
+    _close(fused["grad_norms"], foreach["grad_norms"], 5e-6)
 
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2_sp", "pp_tp"])
