@@ -45,18 +45,17 @@ HARMLESS_LOGS: dict[str, tuple[str, ...]] = {
 }
 # The same two under the other name Lightning's rank_zero helpers may log through (import order decides).
 HARMLESS_LOGS["lightning.fabric.utilities.rank_zero"] = HARMLESS_LOGS["lightning.pytorch.utilities.rank_zero"]
+# torchao registers its enums (KernelPreference, ScaleCalculationMode, ...) with torch's pytree, which torch 2.13
+# deprecates for enums: one line per enum on every import of torchao.float8, once per rank.
+HARMLESS_LOGS["torch.utils._pytree"] = (
+    r"<enum '\w+'> is an Enum subclass and is now natively supported by torch\.compile as an opaque value type\. "
+    r"Calling register_constant\(\) on Enum subclasses is deprecated and will be an error in a future release\.",
+)
 
-#: Filtered only with a CPU-only torch build: torchao's CUDA kernel libraries cannot load, and torchao registers an enum
-#: with torch's pytree in a way torch 2.13 deprecates (both on every import of torchao.float8).
+#: Filtered only with a CPU-only torch build: torchao's CUDA kernel libraries cannot load (on every import of
+#: torchao.float8); with a CUDA build a library that fails to load matters, and stays.
 HARMLESS_LOGS_CPU_TORCH: dict[str, tuple[str, ...]] = {
     "torchao": (r"Failed to load \S+/torchao/_C[\w.-]*\.so: Could not load this library: \S+/torchao/_C[\w.-]*\.so",),
-    "torch.utils._pytree": (
-        re.escape(
-            "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an "
-            "opaque value type. Calling register_constant() on Enum subclasses is deprecated and will be an "
-            "error in a future release."
-        ),
-    ),
 }
 
 #: The warning ModelCheckpoint gives on every resume (the folder holds the checkpoint being resumed).

@@ -86,6 +86,13 @@ def test_known_log_records_go_and_others_stay(clean_filters, caplog, monkeypatch
     assert _logged("torchao", "Failed to load something else", caplog)
     monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build: a kernel library that fails matters
     assert _logged("torchao", torchao, caplog)
+    enum = (
+        "<enum 'ScaleCalculationMode'> is an Enum subclass and is now natively supported by torch.compile as an "
+        "opaque value type. Calling register_constant() on Enum subclasses is deprecated and will be an error in a "
+        "future release."
+    )
+    assert not _logged("torch.utils._pytree", enum, caplog)
+    assert _logged("torch.utils._pytree", enum.replace("Enum subclass", "Enum"), caplog)
 
 
 def test_resume_warning_is_filtered_only_when_asked(clean_filters):
