@@ -5,6 +5,7 @@ from kempnerforge.callbacks.checkpoint_retention import CheckpointRetention
 from kempnerforge.callbacks.freeze import FreezeSchedule
 from kempnerforge.callbacks.health import HealthCheck
 from kempnerforge.callbacks.memory import MemoryMonitor
+from kempnerforge.callbacks.model_summary import ModelSummary
 from kempnerforge.callbacks.nan_guard import NaNGuard
 from kempnerforge.callbacks.preemption import Preemption
 from kempnerforge.callbacks.profiler import StepProfiler
@@ -18,6 +19,7 @@ __all__ = [
     "HealthCheck",
     "MFUMonitor",
     "MemoryMonitor",
+    "ModelSummary",
     "NaNGuard",
     "Preemption",
     "ProgressBar",

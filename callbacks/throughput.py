@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from kempnerforge.callbacks._util import batch_tokens, data_parallel_size
 from kempnerforge.metrics.flops import mfu
-from kempnerforge.metrics.peak import device_peak_flops
+from kempnerforge.metrics.peak import device_peak_flops, peak_cache_path
 
 
 def _is_fp8(module: torch.nn.Module) -> bool:
@@ -33,7 +33,8 @@ class MFUMonitor(Callback):
     ``flops_per_token(seq_len)`` method, else its ``config.flops_per_token(seq_len)``
     (:meth:`kempnerforge.config.ModelConfig.flops_per_token`); without any, only tokens/s are
     logged. The peak is ``peak_flops`` if given, else the dense bf16 datasheet figure of the GPU
-    (:data:`kempnerforge.metrics.peak.GPU_PEAK_BF16_FLOPS`) or a measured fp32 matmul peak on CPU.
+    (:data:`kempnerforge.metrics.peak.GPU_PEAK_BF16_FLOPS`) or, on CPU, an fp32 matmul peak measured once per
+    machine and cached (:func:`kempnerforge.metrics.peak.cpu_peak_flops`).
     When the model has FP8 (``Float8*``) layers, MFU is omitted unless ``peak_flops`` is given
     (a bf16 peak would overstate it); it is then logged as ``train/mfu_fp8``.
 
@@ -91,8 +92,18 @@ class MFUMonitor(Callback):
                     f"MFUMonitor: no peak FLOP/s known for {trainer.strategy.root_device}: pass peak_flops to log MFU."
                 )
             else:
-                rank_zero_info(f"MFUMonitor: peak {self._peak / 1e12:.3f} TFLOP/s per device")
+                rank_zero_info(
+                    f"MFUMonitor: peak {self._peak / 1e12:.3f} TFLOP/s per device ({self._peak_source(trainer)})"
+                )
         self._reset_window()
+
+    def _peak_source(self, trainer: Trainer) -> str:
+        device = trainer.strategy.root_device
+        if self.peak_flops is not None:
+            return "peak_flops"
+        if device.type == "cuda":
+            return f"dense bf16 datasheet figure of {torch.cuda.get_device_name(device)}"
+        return f"fp32 matmul measured once on this machine, cached in {peak_cache_path()}"
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Start the first window's clock at the first batch (data-loader start-up is not counted)."""

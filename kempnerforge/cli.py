@@ -17,13 +17,13 @@ from typing import Any, NoReturn
 import jsonargparse
 import yaml
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.callbacks.progress import ProgressBar as ProgressBarBase
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from kempnerforge.callbacks import Preemption, ProgressBar
+from kempnerforge.callbacks import Preemption
 from kempnerforge.cli_errors import HeldLogs, argparse_error_line, exit_with_error, is_user_error
 from kempnerforge.commands import TOOLS, print_help, run_tool
+from kempnerforge.console import add_default_callbacks, filter_harmless_warnings, filter_resume_warning
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.errors import PathError, UserError
 from kempnerforge.module import CausalLM
@@ -175,10 +175,10 @@ class KForgeCLI(LightningCLI):
             raise UserError(infer_field(reasons[0]), "; ".join(reasons)) from err
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        """Lightning's trainer, with :class:`~kempnerforge.callbacks.ProgressBar` as the progress bar
-        unless the configuration names one or disables it (:func:`add_default_progress_bar`)."""
+        """Lightning's trainer, with kempnerforge's progress bar and model summary unless the configuration
+        names its own or disables them (:func:`kempnerforge.console.add_default_callbacks`)."""
         config = self.config_init.get(self.subcommand, self.config_init) if self.subcommand else self.config_init
-        add_default_progress_bar(config.get("trainer"))
+        add_default_callbacks(config.get("trainer"))
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
@@ -187,6 +187,8 @@ class KForgeCLI(LightningCLI):
         before ``Trainer.fit`` starts any process."""
         config = self.config_init[self.subcommand]
         resolve_auto_ckpt_path(config, self.trainer)
+        if rank_zero_only.rank == 0 and _resumes(config.get("ckpt_path")):
+            filter_resume_warning()  # ModelCheckpoint's "directory exists and is not empty": the resumed run's
         keep_wandb_run_id(self.trainer, config.get("ckpt_path"), self.config[self.subcommand]["trainer"]["logger"])
         self._preflight()
 
@@ -242,19 +244,6 @@ def _is_kempner_strategy(class_path: str) -> bool:
     except (ImportError, AttributeError):
         return False  # jsonargparse reports a class it cannot import itself
     return isinstance(cls, type) and issubclass(cls, KempnerStrategy)
-
-
-def add_default_progress_bar(trainer_config: Any) -> None:
-    """Append :class:`~kempnerforge.callbacks.ProgressBar` to ``trainer_config["callbacks"]`` (instantiated
-    callbacks) when ``enable_progress_bar`` is not false and no progress bar is configured: Lightning's
-    default bars read their metrics from the device at every refresh (a host sync per step)."""
-    if trainer_config is None or trainer_config.get("enable_progress_bar") is False:
-        return
-    callbacks = trainer_config.get("callbacks")
-    callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
-    if not any(isinstance(cb, ProgressBarBase) for cb in callbacks):
-        callbacks.append(ProgressBar())
-    trainer_config["callbacks"] = callbacks
 
 
 def component_errors(report: str) -> list[str]:
@@ -349,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         argv: arguments without the program name (None: ``sys.argv[1:]``).
     """
     args = sys.argv[1:] if argv is None else argv
+    filter_harmless_warnings()  # known-harmless third-party warnings, by exact message (kempnerforge.console)
     # Per-field docstrings of the config dataclasses become the `--help` text of each argument. Reading them
     # tokenizes the source of every class in every subcommand's signature (the Trainer's too): 5-10 s of CPU
     # per process, each rank of a multi-process run included, so only when the text is shown.

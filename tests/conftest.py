@@ -48,6 +48,14 @@ def shakespeare_tokens(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kforge_cache_dir(tmp_path_factory):
+    """The CPU matmul peak (kempnerforge.metrics.peak) is cached per user: tests (and the kforge processes they
+    start, which inherit the environment) measure it once per session into a folder of their own."""
+    if "KFORGE_CACHE_DIR" not in os.environ:
+        os.environ["KFORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kforge_cache"))
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_per_test_process(monkeypatch):
     """Distributed launches share 2 cores: keep each rank single-threaded (see NOTES-platform.md)."""

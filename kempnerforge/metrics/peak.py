@@ -3,13 +3,28 @@
 The table holds dense (no 2:4 sparsity) bf16 tensor-core peaks from the vendors' datasheets, in
 FLOP/s. MFU against a bf16 peak is the usual convention (PaLM, arXiv:2204.02311; torchtitan). An
 fp32 or FP8 run should pass its own peak (``peak_flops`` override) or have MFU omitted.
+
+A CPU has no datasheet peak that its GEMM reaches, so its peak is measured, once per machine: the
+measurement is cached in ``<cache dir>/cpu_peak_flops.json`` (:func:`peak_cache_path`), keyed by CPU
+model, torch version, thread count and dtype, so the same model reports the same MFU from run to run.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+#: Environment variable naming kempnerforge's cache folder (default: ``$XDG_CACHE_HOME/kempnerforge``,
+#: else ``~/.cache/kempnerforge``).
+CACHE_DIR_ENV = "KFORGE_CACHE_DIR"
+#: File of :func:`cpu_peak_flops`'s cached measurements inside the cache folder.
+CPU_PEAK_CACHE_FILE = "cpu_peak_flops.json"
 
 #: Dense bf16 tensor-core peak, FLOP/s, keyed by a lower-case substring of ``torch.cuda.get_device_name``.
 #: Longer keys are tried first ("h100 pcie" before "h100"). Sources: NVIDIA H200/H100/A100/L40S/L4/A10
@@ -69,9 +84,89 @@ def matmul_peak(n: int = 1024, reps: int = 5, rounds: int = 3, dtype: torch.dtyp
     return 2.0 * n**3 / best
 
 
-def device_peak_flops(device: torch.device, override: float | None = None) -> float | None:
-    """Peak FLOP/s of one device for MFU: ``override`` if given, else the GPU table (CUDA), else a
-    measured fp32 1024^3 matmul peak (CPU, best of 3). None for an unknown GPU or another device type.
+def cache_dir() -> Path:
+    """kempnerforge's per-user cache folder: ``$KFORGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kempnerforge``,
+    else ``~/.cache/kempnerforge`` (XDG Base Directory specification). Not created here."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "kempnerforge"
+
+
+def peak_cache_path() -> Path:
+    """The JSON file holding measured CPU peaks (:data:`CPU_PEAK_CACHE_FILE` in :func:`cache_dir`)."""
+    return cache_dir() / CPU_PEAK_CACHE_FILE
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` "model name" on Linux, else :func:`platform.processor`,
+    else the machine type such as ``arm64``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_peak_key(dtype: torch.dtype = torch.float32) -> str:
+    """The cache key of a CPU peak: CPU model, torch version, torch's intra-op thread count and dtype
+    (each changes what the GEMM reaches)."""
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {dtype}"
+
+
+def cpu_peak_flops(cache: bool = True, dtype: torch.dtype = torch.float32) -> float:
+    """Practical peak FLOP/s of this CPU: :func:`matmul_peak` (1024^3, best of 15 products), measured once
+    per :func:`cpu_peak_key` and cached in :func:`peak_cache_path`.
+
+    A run with the key in the cache reads it (no measurement, the same MFU every run); otherwise it
+    measures (about 0.3 s at 100 GFLOP/s) and writes the file atomically (ranks on one machine may race;
+    they write the same key). An unreadable or unwritable cache is measured around, never an error.
+    Delete the file to measure again (e.g. after measuring on a busy machine); a run's
+    ``MFUMonitor(peak_flops=...)`` overrides the value.
+
+    Args:
+        cache: read and write the cache (False: measure every call).
+        dtype: matmul dtype (MFU on CPU counts fp32 by default).
+    """
+    key, path = cpu_peak_key(dtype), peak_cache_path()
+    entries = _read_cache(path) if cache else {}
+    found = entries.get(key, {}).get("flops")
+    if isinstance(found, int | float) and found > 0:
+        return float(found)
+    peak = matmul_peak(1024, reps=5, rounds=3, dtype=dtype)
+    if cache:
+        entries[key] = {"flops": peak, "matmul": f"1024^3 {dtype}, best of 15", "measured": time.strftime("%Y-%m-%d")}
+        _write_cache(path, entries)
+    return peak
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(path: Path, entries: dict) -> None:
+    # Atomic: a reader (another rank, another run) sees the old file or the new one, never a partial one.
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cpu_peak_flops.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measure again next run
+
+
+def device_peak_flops(device: torch.device, override: float | None = None, cache: bool = True) -> float | None:
+    """Peak FLOP/s of one device for MFU: ``override`` if given, else the GPU table (CUDA), else this
+    machine's cached fp32 CPU matmul peak (:func:`cpu_peak_flops`). None for an unknown GPU or another
+    device type.
 
     Raises:
         ValueError: ``override`` given but not positive.
@@ -83,5 +178,5 @@ def device_peak_flops(device: torch.device, override: float | None = None) -> fl
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device))
     if device.type == "cpu":
-        return matmul_peak(1024, reps=3, rounds=1)  # 5 products of 2 GFLOP: about 0.2 s at 50 GFLOP/s
+        return cpu_peak_flops(cache=cache)
     return None

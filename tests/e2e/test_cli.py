@@ -87,7 +87,11 @@ def test_prepare_data_hangs_off_the_same_entry_point(tmp_path, shakespeare_text,
 
 @pytest.mark.slow
 def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_tokens):
-    """The debug recipe for 8 steps on 2 processes writes a DCP checkpoint that a second run resumes."""
+    """The debug recipe for 8 steps on 2 processes writes a DCP checkpoint that a second run resumes.
+
+    Issue 18 check 1 rides on the same runs: with stdout a file (a SLURM .out), global rank 0 prints one plain
+    progress line per log interval (step, loss, lr, grad norm, tokens/s, MFU, memory, elapsed, ETA), the
+    model summary has no FLOPs column, and the known-harmless warnings are gone from both ranks' stderr."""
     common = [
         "fit",
         "--config",
@@ -97,7 +101,7 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
         "--data.micro_batch_size=2",
         "--trainer.val_check_interval=4",
         "--trainer.limit_val_batches=2",
-        "--trainer.enable_progress_bar=false",
+        "--trainer.log_every_n_steps=2",
         f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
         "--trainer.callbacks.init_args.every_n_train_steps=4",
@@ -106,6 +110,7 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
     ]
     proc = _kforge(*common, "--trainer.max_steps=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    printed = _assert_batch_log(proc, steps=[2, 4], total=4)
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000004.ckpt"
     assert sorted(p.name for p in (tmp_path / "ckpt" / "step=000004.ckpt").glob("rank_*.pt")) == [
         "rank_00000.pt",
@@ -113,6 +118,8 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
     ]
     proc = _kforge(*common, "--trainer.max_steps=8", f"--ckpt_path={tmp_path / 'ckpt'}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    printed.update(_assert_batch_log(proc, steps=[6, 8], total=8))
+    assert "exists and is not empty" not in proc.stderr  # resuming from that folder
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000008.ckpt"
     events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
     assert events
@@ -125,13 +132,41 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
     assert found, proc.stdout[-2000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logged = {}
+    logged, train_loss = {}, {}
     for ev in events:
         acc = EventAccumulator(str(ev))
         acc.Reload()
         if "val/loss" in acc.Tags()["scalars"]:
             logged.update({e.step: e.value for e in acc.Scalars("val/loss")})
+        if "train/loss" in acc.Tags()["scalars"]:
+            train_loss.update({e.step + 1: e.value for e in acc.Scalars("train/loss")})  # logged at step - 1
+    # the printed losses are the logged ones (4 decimals)
+    assert printed == pytest.approx({step: train_loss[step] for step in printed}, abs=1e-4), (printed, train_loss)
     assert float(found.group(1)) == pytest.approx(logged[max(logged)], rel=1e-5), (found.group(1), logged)
+
+
+#: One progress line of a batch log (kempnerforge.callbacks.ProgressBar, lines rendering).
+PROGRESS_LINE = re.compile(
+    r"^step (\d+)/(\d+) \| loss (\d+\.\d{4}) \| lr \S+ \| grad_norm \S+ \| tokens/s ([\d,]+) \| MFU (\d+\.\d)% \| "
+    r"peak_mem \d+\.\d\dGiB \| elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$",
+    re.M,
+)
+#: Known-harmless third-party warnings kforge filters (kempnerforge.console).
+FILTERED = ("set_vital", "LeafSpec", "litlogger", "KernelPreference", "Failed to load")
+
+
+def _assert_batch_log(proc: subprocess.CompletedProcess, steps: list[int], total: int) -> dict[int, float]:
+    """The progress lines of a run's stdout are those of ``steps`` with their fields; step -> printed loss."""
+    lines = PROGRESS_LINE.findall(proc.stdout)
+    assert [int(step) for step, *_ in lines] == steps, proc.stdout[-3000:]  # once: rank 0 only
+    for _, run_total, loss, tokens_per_s, mfu in lines:
+        assert int(run_total) == total and 0 < float(loss) < 12  # ln(50257) = 10.8 at init
+        assert int(tokens_per_s.replace(",", "")) > 0 and 0 < float(mfu) < 100
+    assert "%|" not in proc.stdout  # no bar drawn into the file
+    assert "FLOPs" not in proc.stdout and "Total params" in proc.stdout
+    for text in FILTERED:
+        assert text not in proc.stderr, text
+    return {int(step): float(loss) for step, _, loss, *_ in lines}
 
 
 def test_a_data_module_validation_error_is_printed_alone():

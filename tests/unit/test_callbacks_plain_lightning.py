@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import sys
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from kempnerforge.callbacks import CheckpointRetention, NaNGuard, Preemption, ProgressBar
+from kempnerforge.callbacks.progress import read_scalars
 from kempnerforge.resilience.nonfinite import NonFiniteError
 
 
@@ -175,10 +178,12 @@ class _LoggedLoss(BoringModel):
         return out
 
 
-def test_progress_bar_reads_metrics_only_at_the_log_interval(tmp_path, monkeypatch):
-    """kempnerforge's ProgressBar in plain Lightning: the bar moves every batch, the metrics (a host
-    read-back) are read at steps 3 and 6 of 7 with log_every_n_steps=3, plus once at the epoch's end."""
-    bar = ProgressBar()
+@pytest.mark.parametrize("style", ["bar", "lines"])
+def test_progress_bar_reads_metrics_only_at_the_log_interval(tmp_path, monkeypatch, capsys, style):
+    """kempnerforge's ProgressBar in plain Lightning, both renderings: the metrics (a host read-back) are read
+    at steps 3 and 6 of 7 with log_every_n_steps=3, plus once at the epoch's end; the bar counts optimizer
+    steps (``step 7/7``), the lines are one per read, with the step, the loss and the times."""
+    bar = ProgressBar(style=style)
     reads: list[int] = []
     real = ProgressBar.get_metrics
 
@@ -192,25 +197,65 @@ def test_progress_bar_reads_metrics_only_at_the_log_interval(tmp_path, monkeypat
                       enable_checkpointing=False, enable_model_summary=False, callbacks=[bar])  # fmt: skip
     trainer.fit(_LoggedLoss())
     assert reads == [3, 6, 7]
-    assert bar.train_progress_bar.n == 7 and "train/loss" in bar.train_progress_bar.postfix
+    out = capsys.readouterr().out
+    if style == "bar":
+        assert bar.train_progress_bar.n == 7 and bar.train_progress_bar.total == 7
+        assert "step 7/7" in out and "loss=" in out and "v_num" not in out
+        assert not re.search(r"^step \d+/7 \|", out, re.M)
+    else:
+        lines = re.findall(r"^step (\d)/7 \| loss (\d+\.\d{4}) \| elapsed \d:\d\d:\d\d \| ETA \d:\d\d:\d\d$", out, re.M)
+        assert [int(step) for step, _ in lines] == [3, 6, 7], out
+        logged = float(trainer.callback_metrics["train/loss"])
+        assert float(lines[-1][1]) == pytest.approx(logged, abs=1e-4)
+        assert re.search(r"^step 7/7 \| done in \d:\d\d:\d\d$", out, re.M) and "%|" not in out
     with pytest.raises(ValueError, match="metrics_every_n_steps=0 must be an integer >= 1 or None"):
         ProgressBar(metrics_every_n_steps=0)
+    with pytest.raises(ValueError, match="style='fancy' must be one of"):
+        ProgressBar(style="fancy")
 
 
-def test_kforge_adds_its_progress_bar_unless_one_is_configured():
-    from lightning.pytorch.callbacks import TQDMProgressBar
+def test_progress_bar_auto_style_follows_stdout(monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert ProgressBar().lines is False
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    assert ProgressBar().lines is True
+    assert ProgressBar(style="bar").lines is False
 
-    from kempnerforge.cli import add_default_progress_bar
+
+def test_read_scalars_reads_each_device_once_and_keeps_order():
+    metrics = {"b": torch.tensor(2.5), "a": torch.tensor([1.25]), "n": 3, "skip": torch.ones(2), "flag": True}
+    assert read_scalars(metrics, ["a", "missing", "b", "n", "skip", "flag"]) == {"a": 1.25, "b": 2.5, "n": 3.0}
+
+
+def test_model_summary_has_no_flops(capsys):
+    from kempnerforge.callbacks import ModelSummary
+
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    ModelSummary().on_fit_start(trainer, BoringModel())
+    out = capsys.readouterr().out
+    assert "FLOPs" not in out and "Flops" not in out
+    assert re.search(r"^0 \| layer \| Linear \| 66 ", out, re.M), out  # BoringModel: Linear(32, 2)
+    assert re.search(r"^66 +Total params$", out, re.M)
+
+
+def test_kforge_adds_its_progress_bar_and_summary_unless_configured():
+    from lightning.pytorch.callbacks import RichModelSummary, TQDMProgressBar
+
+    from kempnerforge.callbacks import ModelSummary
+    from kempnerforge.console import add_default_callbacks
 
     config = {"callbacks": [NaNGuard()]}
-    add_default_progress_bar(config)
-    assert [type(c) for c in config["callbacks"]] == [NaNGuard, ProgressBar]
-    own = {"callbacks": TQDMProgressBar()}
-    add_default_progress_bar(own)
-    assert [type(c) for c in own["callbacks"]] == [TQDMProgressBar]
-    off = {"callbacks": None, "enable_progress_bar": False}
-    add_default_progress_bar(off)
+    add_default_callbacks(config)
+    assert [type(c) for c in config["callbacks"]] == [NaNGuard, ProgressBar, ModelSummary]
+    own = {"callbacks": [TQDMProgressBar(), RichModelSummary()]}
+    add_default_callbacks(own)
+    assert [type(c) for c in own["callbacks"]] == [TQDMProgressBar, RichModelSummary]
+    off = {"callbacks": None, "enable_progress_bar": False, "enable_model_summary": False}
+    add_default_callbacks(off)
     assert off["callbacks"] is None
+    single = {"callbacks": TQDMProgressBar(), "enable_model_summary": False}
+    add_default_callbacks(single)
+    assert isinstance(single["callbacks"], TQDMProgressBar)  # nothing to add: left as configured
 
 
 class _RecordBias(Callback):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kempnerforge.callbacks import MemoryMonitor, MFUMonitor, ModelSummary, ProgressBar
 from kempnerforge.cli import KForgeCLI, cli_classes
 from kempnerforge.module import CausalLM
 from kempnerforge.strategies import KempnerStrategy
@@ -20,6 +21,9 @@ def test_recipe_instantiates(path, tmp_path, monkeypatch):
     cli = KForgeCLI(**cli_classes(args), args=args, run=False, auto_configure_optimizers=False)
     assert isinstance(cli.model, CausalLM)  # VisionLanguage subclasses it
     assert isinstance(cli.trainer.strategy, KempnerStrategy)
+    # Every recipe shows tokens/s, MFU and memory, through kforge's progress bar and summary.
+    kinds = {type(cb) for cb in cli.trainer.callbacks}
+    assert {MFUMonitor, MemoryMonitor, ProgressBar, ModelSummary} <= kinds, kinds
     assert cli.datamodule.vocab_size == cli.model.config.vocab_size
     seq_len = getattr(cli.datamodule, "seq_len", None)
     if seq_len is not None:

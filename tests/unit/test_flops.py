@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -163,3 +165,48 @@ def test_config_active_params_equal_the_generic_moe_formula():
         per_expert = 3 * cfg.dim * cfg.expert_hidden
         expected = moe_active_params(cfg.num_params(), n_moe, cfg.num_experts, cfg.top_k, per_expert)
         assert cfg.num_active_params() == expected, kw
+
+
+def test_cpu_peak_is_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    """The same key reads the cache (the same MFU every run); another thread count measures again; a corrupt
+    or unwritable cache measures around it."""
+    from kempnerforge.metrics import peak as peak_mod
+
+    monkeypatch.setenv("KFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    measured = iter([1.5e11, 7.0e10, 9.0e10, 8.0e10])
+    calls = []
+
+    def fake_matmul_peak(n, reps, rounds, dtype):
+        calls.append((n, reps * rounds, dtype))
+        return next(measured)
+
+    monkeypatch.setattr(peak_mod, "matmul_peak", fake_matmul_peak)
+    assert peak_mod.peak_cache_path() == tmp_path / "cache" / "cpu_peak_flops.json"
+    assert device_peak_flops(torch.device("cpu")) == 1.5e11
+    assert device_peak_flops(torch.device("cpu")) == 1.5e11  # cached: no second measurement
+    assert calls == [(1024, 15, torch.float32)]
+    entry = json.loads(peak_mod.peak_cache_path().read_text())[peak_mod.cpu_peak_key()]
+    assert entry["flops"] == 1.5e11 and peak_mod.cpu_model() in peak_mod.cpu_peak_key()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert f"{threads + 1} threads" in peak_mod.cpu_peak_key()
+        assert peak_mod.cpu_peak_flops() == 7.0e10  # another key: measured and added
+    finally:
+        torch.set_num_threads(threads)
+    assert peak_mod.cpu_peak_flops() == 1.5e11 and len(calls) == 2
+    assert peak_mod.cpu_peak_flops(cache=False) == 9.0e10
+    peak_mod.peak_cache_path().write_text("{not json")
+    assert peak_mod.cpu_peak_flops() == 8.0e10 and len(calls) == 4  # corrupt file: measured, rewritten
+    assert json.loads(peak_mod.peak_cache_path().read_text())[peak_mod.cpu_peak_key()]["flops"] == 8.0e10
+
+
+def test_cache_dir_follows_xdg(tmp_path, monkeypatch):
+    from kempnerforge.metrics.peak import cache_dir
+
+    monkeypatch.delenv("KFORGE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "kempnerforge"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "kempnerforge"
