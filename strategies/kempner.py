@@ -38,6 +38,12 @@ from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_sta
 from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure, verify_checkpoint
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
 from kempnerforge.parallel.compile import apply_compile
+from kempnerforge.parallel.contract import (
+    TiesWeights,
+    ValidatesParallel,
+    check_model_contract,
+    check_module_contract,
+)
 from kempnerforge.parallel.expert_parallel import apply_ep
 from kempnerforge.parallel.float8 import apply_float8, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
@@ -66,9 +72,11 @@ log = logging.getLogger(__name__)
 class KempnerStrategy(ModelParallelStrategy):
     """Lightning strategy for FSDP2 (and, as they land, TP / EP / FP8 / AC / compile) on one DeviceMesh.
 
-    The LightningModule must expose ``model`` (an ``nn.Module`` with ``layers`` and
-    ``init_weights(seed)``), ``init_seed`` and optionally ``validate_parallel(dims)`` that checks
-    model-specific rules (e.g. ``n_heads % tp``) before anything is allocated.
+    The LightningModule and its model must fulfil the contract in :mod:`kempnerforge.parallel.contract`
+    (``model`` and ``init_seed`` on the module; ``layers``, ``init_weights(seed)`` and, for ``tp > 1``,
+    ``tp_plan()`` on the model; optional ``validate_parallel(dims)``, ``tie_weights()``, ``fsdp_units()``,
+    MoE layers); it is checked once, with one :class:`~kempnerforge.parallel.contract.ModelContractError`
+    naming what is missing, before the chain runs.
 
     Args:
         dp_replicate: data-parallel replicas (HSDP when > 1 together with ``dp_shard`` > 1).
@@ -132,6 +140,8 @@ class KempnerStrategy(ModelParallelStrategy):
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
             ``setup_environment`` when degrees do not fit the world size, the model (``n_heads % tp``,
             ``n_kv_heads % tp``) or the data (``seq_len % tp`` with sequence parallel).
+        ModelContractError: the module or its model lacks what the strategy needs (in ``setup_environment``
+            and ``setup``; :mod:`kempnerforge.parallel.contract`).
         ValueError: an unknown dtype name, activation-checkpointing mode or ``ac_every_n`` < 1; when the
             Trainer is built, a ``trainer.precision`` other than ``32-true`` / ``bf16-mixed`` (one line naming
             ``trainer.strategy.init_args.mixed_precision_param``); in ``setup_environment``, before the process
@@ -285,11 +295,12 @@ class KempnerStrategy(ModelParallelStrategy):
 
         Raises:
             MeshConfigError / ValueError: the rule that fails, naming the degree and the allowed values.
+            ModelContractError: the module lacks ``model`` or ``init_seed``.
         """
+        check_module_contract(module)
         dims = ParallelDims(**self._degrees, world_size=world_size)
-        validate = getattr(module, "validate_parallel", None)
-        if callable(validate):
-            validate(dims)
+        if isinstance(module, ValidatesParallel):
+            module.validate_parallel(dims)
         validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
         validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options)
         return dims
@@ -326,10 +337,12 @@ class KempnerStrategy(ModelParallelStrategy):
         """Apply the chain (once), materialize meta tensors, run ``init_weights``, then Lightning's setup."""
         module = self.lightning_module
         model: nn.Module = module.model
+        assert self.parallel_mesh is not None
+        check_model_contract(model, tp=self.parallel_mesh.dims.tp)
         if not is_fsdp_applied(model):
             self.parallelize(model)
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            self.materialize(model, seed=getattr(module, "init_seed", 0))
+            self.materialize(model, seed=module.init_seed)
         if self.pipeline is not None and self.pipeline.schedule is None:
             self.pipeline.build(self.root_device)
         super().setup(trainer)
@@ -378,7 +391,7 @@ class KempnerStrategy(ModelParallelStrategy):
             self.pipeline.materialize(model, self.root_device, seed)
             return
         model.to_empty(device=self.root_device)
-        if hasattr(model, "tie_weights"):
+        if isinstance(model, TiesWeights):
             model.tie_weights()
         with torch.no_grad():
             model.init_weights(seed=seed)
