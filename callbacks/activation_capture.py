@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from kempnerforge.model.attention import Attention
 from kempnerforge.model.hooks import attention_probs
@@ -91,10 +92,12 @@ class ActivationCapture(Callback):
                 )
         return found
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve and check the names once the model is built."""
         self._modules(pl_module)
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Attach the hooks for a captured step."""
         if trainer.global_step not in self.steps or self._handles:
@@ -121,6 +124,7 @@ class ActivationCapture(Callback):
 
         return hook
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from kempnerforge.metrics.health import DeviceHealth, all_reduce_with_timeout, check_device
 
@@ -72,11 +73,13 @@ class HealthCheck(Callback):
         """This rank's device check (:func:`kempnerforge.metrics.health.check_device`); override to extend."""
         return check_device(device, self.matmul_n, self.memory_mb)
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Check before the first step."""
         if self.check_at_start:
             self._check(trainer)
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from kempnerforge.metrics.memory import memory_stats
 
@@ -52,6 +53,7 @@ class MemoryMonitor(Callback):
         self.last: dict[str, float] = {}
         self.snapshots: list[Path] = []
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Refuse snapshots off CUDA before training starts."""
         if self.snapshot_steps and trainer.strategy.root_device.type != "cuda":
@@ -60,12 +62,14 @@ class MemoryMonitor(Callback):
                 f"(got {trainer.strategy.root_device}); leave snapshot_steps empty on CPU"
             )
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start recording allocator history when snapshots are asked for."""
         if self.snapshot_steps:
             # torch's documented snapshot API ("Understanding CUDA Memory Usage") is underscored; no other exists.
             torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -85,6 +89,7 @@ class MemoryMonitor(Callback):
             torch.cuda.memory._dump_snapshot(str(path))
             self.snapshots.append(path)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Stop recording allocator history."""
         if self.snapshot_steps:

@@ -118,10 +118,12 @@ class NaNGuard(Callback):
         )
         restore_in_place(trainer, Path(good))
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """Counters that survive a resume."""
         return {"skipped_steps": list(self.skipped_steps), "rollbacks": self.rollbacks}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the counters."""
         self.skipped_steps = list(state_dict.get("skipped_steps", []))

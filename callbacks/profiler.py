@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from typing_extensions import override
 
 
 class StepProfiler(Callback):
@@ -55,6 +56,7 @@ class StepProfiler(Callback):
         self.traces: list[Path] = []
         self._prof: profile | None = None
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start the profiler with its step schedule."""
         self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -82,6 +84,7 @@ class StepProfiler(Callback):
         )
         self._prof.start()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -89,10 +92,12 @@ class StepProfiler(Callback):
         if self._prof is not None:
             self._prof.step()
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Stop the profiler (writes the trace if the window was cut short by the end of training)."""
         self._stop()
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Stop the profiler on a failed run too."""
         self._stop()

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from kempnerforge.callbacks._util import batch_tokens, data_parallel_size
 from kempnerforge.metrics.flops import mfu
@@ -75,6 +76,7 @@ class MFUMonitor(Callback):
         self._steps = 0
         self._seq_len: int | None = None
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve the window, the parallel degrees, FP8 and the device peak (once)."""
         # fast_dev_run keeps log_every_n_steps (50) but runs a step or a few: measure every step there.
@@ -105,11 +107,13 @@ class MFUMonitor(Callback):
             return f"dense bf16 datasheet figure of {torch.cuda.get_device_name(device)}"
         return f"fp32 matmul measured once on this machine, cached in {peak_cache_path()}"
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Start the first window's clock at the first batch (data-loader start-up is not counted)."""
         if self._t0 is None:
             self._t0 = time.perf_counter()
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -19,6 +19,7 @@ import yaml
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from typing_extensions import override
 
 from kempnerforge.callbacks import Preemption
 from kempnerforge.cli_errors import HeldLogs, argparse_error_line, exit_with_error, is_user_error
@@ -128,6 +129,7 @@ class KForgeCLI(LightningCLI):
     def __init__(self, *args: Any, parser_class: type = KForgeArgumentParser, **kwargs: Any) -> None:
         super().__init__(*args, parser_class=parser_class, **kwargs)
 
+    @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Link the model's vocabulary size into the data module (``init_args`` paths in subclass mode)."""
         if self.subclass_mode_model:
@@ -135,6 +137,7 @@ class KForgeCLI(LightningCLI):
         else:
             parser.link_arguments("model.config.vocab_size", "data.vocab_size")
 
+    @override
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         # `ckpt_path` only exists once Lightning added the Trainer method's arguments (after
         # add_arguments_to_parser), so its default is changed here: a private LightningCLI method, no public hook.
@@ -143,6 +146,7 @@ class KForgeCLI(LightningCLI):
             parser.set_defaults({"ckpt_path": AUTO})
         return parser
 
+    @override
     def before_instantiate_classes(self) -> None:
         """Refuse what the strategy and module would refuse once built, before any class is instantiated and
         before any process starts (:func:`check_trainer_config`).
@@ -157,6 +161,7 @@ class KForgeCLI(LightningCLI):
             print(f"kforge: error: {err}", file=sys.stderr)
             raise SystemExit(2) from err
 
+    @override
     def instantiate_classes(self) -> None:
         """Lightning's instantiation; a component's own validation error (e.g. ``data.fps=0.0 must be ...``),
         which jsonargparse buries in a union-type report ending in the whole config, is raised alone.
@@ -174,6 +179,7 @@ class KForgeCLI(LightningCLI):
 
             raise UserError(infer_field(reasons[0]), "; ".join(reasons)) from err
 
+    @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """Lightning's trainer, with kempnerforge's progress bar and model summary unless the configuration
         names its own or disables them (:func:`kempnerforge.console.add_default_callbacks`)."""

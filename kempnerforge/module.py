@@ -164,6 +164,7 @@ class CausalLM(LightningModule):
                 "model.loss_chunk_size=0."
             )
 
+    @override
     def setup(self, stage: str) -> None:
         """Check the data against the model before the model is built (:meth:`check_data`)."""
         self.check_data(getattr(self.trainer, "datamodule", None) if _has_trainer(self) else None)
@@ -182,6 +183,7 @@ class CausalLM(LightningModule):
                 "raise max_seq_len (RoPE tables cover max_seq_len positions) or shorten seq_len."
             )
 
+    @override
     def configure_model(self) -> None:
         """Build the model once (on meta under KempnerStrategy); idempotent for fit-then-validate."""
         if self.model is not None:
@@ -192,6 +194,7 @@ class CausalLM(LightningModule):
             with torch.no_grad():
                 self.model.init_weights(seed=self.init_seed)
 
+    @override
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab_size)`` for ``input_ids`` ``(batch, seq)``, always a plain tensor
         (vocab-sharded tensor-parallel logits are all-gathered); ``doc_ids`` (batch, seq) masks
@@ -207,6 +210,7 @@ class CausalLM(LightningModule):
             return mesh.dp.get_group()
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch: token cross-entropy normalized by the optimizer step's global target-token
         count (:meth:`_record_step`); logs lr and tokens seen (tokens/s and MFU: the
@@ -294,6 +298,7 @@ class CausalLM(LightningModule):
         """
         return self.config.flops_per_token(seq_len)
 
+    @override
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()``, under ``loss_parallel()`` when the step's logits were vocab-sharded.
 
@@ -304,6 +309,7 @@ class CausalLM(LightningModule):
         with loss_parallel_context(self._loss_parallel_backward):
             super().backward(loss, *args, **kwargs)
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Token-weighted ``val/loss`` and ``val/ppl = exp(val/loss)`` (synced across ranks by torchmetrics),
         computed by the training loss path (:meth:`_validation_loss_sum`)."""
@@ -346,6 +352,7 @@ class CausalLM(LightningModule):
 
     # -- optimization ---------------------------------------------------------------------------
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         """The configured optimizer (:func:`~kempnerforge.training.optimizers.build_optimizer`; no decay
         on norms, biases, embeddings; frozen parameters left out) with a per-step warmup + decay schedule."""
@@ -381,6 +388,7 @@ class CausalLM(LightningModule):
             self.model.parameters(), self._dp_group(), self.trainer.accumulate_grad_batches
         )
 
+    @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log the step loss (``train/loss``, mean per target token of the global batch), then clip to
         ``grad_clip`` by the true global norm (DTensor-aware) and log that norm (before clipping)."""
@@ -406,11 +414,13 @@ class CausalLM(LightningModule):
             for name, value in zip(metrics, values, strict=True):
                 self.log(name, value, rank_zero_only=True)
 
+    @override
     def on_validation_epoch_start(self) -> None:
         """Schedule-Free: evaluate the averaged weights ``x`` (no-op for other optimizers)."""
         if _has_trainer(self) and self.trainer.optimizers:
             set_schedule_free_mode(self.trainer.optimizers[0], train=False)
 
+    @override
     def on_validation_epoch_end(self) -> None:
         """Schedule-Free: back to the training point ``y`` before checkpoints and the next step."""
         if _has_trainer(self) and self.trainer.optimizers:
@@ -418,10 +428,12 @@ class CausalLM(LightningModule):
 
     # -- checkpoint extras ----------------------------------------------------------------------
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the token counter in the checkpoint so ``tokens_seen`` continues after resume."""
         checkpoint["tokens_seen"] = self.tokens_seen
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore ``tokens_seen``."""
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
@@ -537,6 +549,7 @@ class VisionLanguage(CausalLM):
         """The image processor matching the encoder (see :func:`~kempnerforge.model.vision.build_image_processor`)."""
         return build_image_processor(self.encoder_config)
 
+    @override
     def configure_model(self) -> None:
         """Build the VLM once (on meta under KempnerStrategy) and apply the freeze spec."""
         if self.model is not None:
@@ -555,11 +568,13 @@ class VisionLanguage(CausalLM):
         # real_frames: the collator's host count of real frames (no read-back of frame_mask).
         return self.model(batch["input_ids"], pixels, *masks, real_frames=batch.get("real_frames"))
 
+    @override
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, **masks: Any) -> torch.Tensor:
         """Logits (batch, text, vocab_size) as a plain tensor (see :class:`VisionLanguageModel`); ``masks``:
         ``text_mask``, ``visual_mask``, ``frame_mask``."""
         return to_full(self._logits({"input_ids": input_ids, "pixel_values": pixel_values, **masks}))
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """:meth:`CausalLM.training_step`, plus the count of clips the data skipped (``data/skipped_clips``)."""
         if "skipped_clips" in batch:
@@ -612,6 +627,7 @@ class VisionLanguage(CausalLM):
         body = self.config.flops_per_token(positions) - head
         return (positions * body + seq_len * head) // seq_len
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW over every parameter trainable under the initial spec or any ``FreezeSchedule`` step, with
         its state created up front (:func:`~kempnerforge.training.freeze.init_adamw_state`), and the schedule."""

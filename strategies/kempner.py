@@ -38,6 +38,12 @@ from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_sta
 from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure, verify_checkpoint
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
 from kempnerforge.parallel.compile import apply_compile
+from kempnerforge.parallel.contract import (
+    TiesWeights,
+    ValidatesParallel,
+    check_model_contract,
+    check_module_contract,
+)
 from kempnerforge.parallel.expert_parallel import apply_ep
 from kempnerforge.parallel.float8 import apply_float8, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
@@ -66,9 +72,11 @@ log = logging.getLogger(__name__)
 class KempnerStrategy(ModelParallelStrategy):
     """Lightning strategy for FSDP2 (and, as they land, TP / EP / FP8 / AC / compile) on one DeviceMesh.
 
-    The LightningModule must expose ``model`` (an ``nn.Module`` with ``layers`` and
-    ``init_weights(seed)``), ``init_seed`` and optionally ``validate_parallel(dims)`` that checks
-    model-specific rules (e.g. ``n_heads % tp``) before anything is allocated.
+    The LightningModule and its model must fulfil the contract in :mod:`kempnerforge.parallel.contract`
+    (``model`` and ``init_seed`` on the module; ``layers``, ``init_weights(seed)`` and, for ``tp > 1``,
+    ``tp_plan()`` on the model; optional ``validate_parallel(dims)``, ``tie_weights()``, ``fsdp_units()``,
+    MoE layers); it is checked once, with one :class:`~kempnerforge.parallel.contract.ModelContractError`
+    naming what is missing, before the chain runs.
 
     Args:
         dp_replicate: data-parallel replicas (HSDP when > 1 together with ``dp_shard`` > 1).
@@ -132,6 +140,8 @@ class KempnerStrategy(ModelParallelStrategy):
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
             ``setup_environment`` when degrees do not fit the world size, the model (``n_heads % tp``,
             ``n_kv_heads % tp``) or the data (``seq_len % tp`` with sequence parallel).
+        ModelContractError: the module or its model lacks what the strategy needs (in ``setup_environment``
+            and ``setup``; :mod:`kempnerforge.parallel.contract`).
         ValueError: an unknown dtype name, activation-checkpointing mode or ``ac_every_n`` < 1; when the
             Trainer is built, a ``trainer.precision`` other than ``32-true`` / ``bf16-mixed`` (one line naming
             ``trainer.strategy.init_args.mixed_precision_param``); in ``setup_environment``, before the process
@@ -226,6 +236,7 @@ class KempnerStrategy(ModelParallelStrategy):
     # -- precision ------------------------------------------------------------------------------
 
     @property
+    @override
     def precision_plugin(self) -> Precision:
         """Lightning's precision plugin: always the plain one here (the policy is FSDP2's, see ``param_dtype``)."""
         return self._precision_plugin if self._precision_plugin is not None else Precision()
@@ -252,6 +263,7 @@ class KempnerStrategy(ModelParallelStrategy):
 
     # -- environment and mesh -------------------------------------------------------------------
 
+    @override
     def setup_environment(self) -> None:
         """Refuse Lightning's own clipping, initialize the process group, validate the degrees, set the fp32
         matmul precision (CUDA), build the world mesh and log it with the precision policy."""
@@ -285,11 +297,12 @@ class KempnerStrategy(ModelParallelStrategy):
 
         Raises:
             MeshConfigError / ValueError: the rule that fails, naming the degree and the allowed values.
+            ModelContractError: the module lacks ``model`` or ``init_seed``.
         """
+        check_module_contract(module)
         dims = ParallelDims(**self._degrees, world_size=world_size)
-        validate = getattr(module, "validate_parallel", None)
-        if callable(validate):
-            validate(dims)
+        if isinstance(module, ValidatesParallel):
+            module.validate_parallel(dims)
         validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
         validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options)
         return dims
@@ -315,6 +328,7 @@ class KempnerStrategy(ModelParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Sampler rank and size from the data-parallel axes only (TP/CP ranks see the same batches)."""
         assert self.parallel_mesh is not None
@@ -322,14 +336,17 @@ class KempnerStrategy(ModelParallelStrategy):
 
     # -- the transform chain and materialization -----------------------------------------------
 
+    @override
     def setup(self, trainer: Any) -> None:
         """Apply the chain (once), materialize meta tensors, run ``init_weights``, then Lightning's setup."""
         module = self.lightning_module
         model: nn.Module = module.model
+        assert self.parallel_mesh is not None
+        check_model_contract(model, tp=self.parallel_mesh.dims.tp)
         if not is_fsdp_applied(model):
             self.parallelize(model)
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            self.materialize(model, seed=getattr(module, "init_seed", 0))
+            self.materialize(model, seed=module.init_seed)
         if self.pipeline is not None and self.pipeline.schedule is None:
             self.pipeline.build(self.root_device)
         super().setup(trainer)
@@ -378,7 +395,7 @@ class KempnerStrategy(ModelParallelStrategy):
             self.pipeline.materialize(model, self.root_device, seed)
             return
         model.to_empty(device=self.root_device)
-        if hasattr(model, "tie_weights"):
+        if isinstance(model, TiesWeights):
             model.tie_weights()
         with torch.no_grad():
             model.init_weights(seed=seed)
@@ -386,6 +403,7 @@ class KempnerStrategy(ModelParallelStrategy):
     # -- checkpoints ----------------------------------------------------------------------------
 
     @property
+    @override
     def checkpoint_io(self) -> DCPCheckpointIO:
         """The DCP checkpoint layout (see :mod:`kempnerforge.checkpoint.dcp_io`); used for every save and load."""
         return self._checkpoint_io
@@ -410,6 +428,7 @@ class KempnerStrategy(ModelParallelStrategy):
         assert self.model is not None
         return optimizer_state(self.model, optimizer)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         """Every rank writes its shards and its own RNG / dataloader state; rank 0 writes metadata."""
         path = Path(self.broadcast(str(filepath)))
@@ -418,6 +437,7 @@ class KempnerStrategy(ModelParallelStrategy):
         checkpoint["rank_state"] = split_rank_state(checkpoint, dp.get_local_rank(), dp.size())
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Restore model and optimizer shards in place (resharding), then return Lightning's metadata.
 
@@ -576,6 +596,7 @@ class KempnerStrategy(ModelParallelStrategy):
             self.checkpoint_io.abandon()
         super().teardown()
 
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes a checkpoint directory (``ModelCheckpoint(save_top_k=...)`` rotation)."""
         if self.is_global_zero:
@@ -588,6 +609,7 @@ class KempnerStrategy(ModelParallelStrategy):
         """The pipeline process group when ``pp > 1`` (gradient norms are summed over it), else None."""
         return self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """With ``pp > 1``: the schedule runs forward and backward of every micro-batch here; the
         returned loss (detached) goes through the module's normal step accounting and logging."""
@@ -596,6 +618,7 @@ class KempnerStrategy(ModelParallelStrategy):
         with self.precision_plugin.train_step_context():
             return self.pipeline.training_step(self.lightning_module, args[0], args[1])
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """With ``pp > 1`` the schedule already ran the backward: only the hooks run (on_before/after_backward)."""
         if self.pipeline is None:
@@ -607,6 +630,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """With ``pp > 1``: a forward-only pipeline pass; the last stage's loss feeds ``val/loss`` and
         ``val/ppl`` on every rank."""

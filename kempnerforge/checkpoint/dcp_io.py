@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from typing_extensions import override
 
 from kempnerforge.checkpoint.disk import CheckpointSpaceError, space_errno, space_error
 from kempnerforge.checkpoint.errors import CheckpointError, CorruptCheckpointError
@@ -180,6 +181,7 @@ class DCPCheckpointIO(CheckpointIO):
 
     # -- saving ----------------------------------------------------------------------------------
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
         """Write one checkpoint directory atomically and move ``latest`` to it (with ``async_save``: stage this
         rank's shards to host memory and return; the rest happens on the checkpoint worker).
@@ -297,6 +299,7 @@ class DCPCheckpointIO(CheckpointIO):
         for task in tasks:
             task.result()
 
+    @override
     def teardown(self) -> None:
         """End of ``fit``: :meth:`wait`, then release the worker, the staging buffers and the gloo group."""
         try:
@@ -353,6 +356,7 @@ class DCPCheckpointIO(CheckpointIO):
             )
         return path
 
+    @override
     def load_checkpoint(self, path: _PATH, map_location: Any = None, weights_only: bool | None = None) -> dict:
         """Load ``meta.pt`` and this rank's ``rank_state`` (sharded tensors load via :meth:`load_sharded`).
 
@@ -390,6 +394,7 @@ class DCPCheckpointIO(CheckpointIO):
 
     # -- deleting --------------------------------------------------------------------------------
 
+    @override
     def remove_checkpoint(self, path: _PATH) -> None:
         """Delete one checkpoint (Lightning calls this on rank 0 for ``save_top_k``) on the checkpoint worker:
         after every save already started has completed, and never the one ``latest`` names then nor one in

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 import json
 import math
 from pathlib import Path
@@ -132,6 +134,7 @@ class TokenDataModule(L.LightningDataModule):
         """Tokens in one micro-batch on one rank: ``micro_batch_size * seq_len``."""
         return self.micro_batch_size * self.seq_len
 
+    @override
     def prepare_data(self) -> None:
         """Tokenizes ``source`` into ``data_dir`` unless a preparation of the same inputs is there (rank 0 only).
 
@@ -165,6 +168,7 @@ class TokenDataModule(L.LightningDataModule):
         """``(rank, num_replicas)`` of this process on the data-parallel axis; ``(0, 1)`` alone."""
         return dp_rank_and_size(getattr(self, "trainer", None))
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Opens the shards and splits train/val windows; idempotent.
 
@@ -202,11 +206,13 @@ class TokenDataModule(L.LightningDataModule):
         rank, dp = self.dp_rank_and_size()
         return resumable_loader(dataset, self.micro_batch_size, rank, dp, train, self.data_seed, self.num_workers)
 
+    @override
     def train_dataloader(self) -> StatefulDataLoader:
         """Shuffled, ``drop_last`` loader of ``{"input_ids", "labels"}``: (micro_batch_size, seq_len)."""
         self.setup("fit")
         return self._loader(self.train_dataset, train=True)
 
+    @override
     def val_dataloader(self) -> StatefulDataLoader | list:
         """In-order loader over the held-out windows; ``[]`` (no validation) when val_fraction is 0."""
         self.setup("validate")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 import bisect
 import math
 from dataclasses import asdict
@@ -103,6 +105,7 @@ class MixtureDataModule(TokenDataModule):
         """LR multiplier of the annealing phase in force at optimizer ``step``."""
         return self.schedule.lr_scale(step)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Open every source and split its windows into train / val; idempotent.
 
@@ -132,6 +135,7 @@ class MixtureDataModule(TokenDataModule):
         self.train_dataset = SourceTagged(trains)
         self.val_dataset = SourceTagged(vals) if vals else None
 
+    @override
     def train_dataloader(self) -> StatefulDataLoader:
         """Infinite loader of ``{"input_ids", "labels", "source"}`` drawn from the mixture."""
         self.setup("fit")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 from typing import Any
 
 import lightning as L
@@ -139,10 +141,12 @@ class StreamingTokenDataModule(L.LightningDataModule):
             )
         return ENDLESS_WINDOWS
 
+    @override
     def train_dataloader(self) -> StatefulDataLoader:
         """Endless loader of packed windows: (micro_batch_size, seq_len) per key."""
         return self._loader(self.source, train=True)
 
+    @override
     def val_dataloader(self) -> StatefulDataLoader | list:
         """``val_batches`` batches of held-out windows per rank; ``[]`` when ``val_source`` is None."""
         return [] if self.val_source is None else self._loader(self.val_source, train=False)

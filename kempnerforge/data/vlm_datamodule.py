@@ -7,6 +7,8 @@ processor, train/val split, resumable loaders); :class:`ImageTextDataModule` and
 
 from __future__ import annotations
 
+from typing_extensions import override
+
 import abc
 import math
 from typing import Any
@@ -79,6 +81,7 @@ class MediaTextDataModule(L.LightningDataModule, abc.ABC):
         """Records ``[start, stop)`` of ``data`` as a dataset (a ``Subset``; subclasses may keep their own type)."""
         return torch.utils.data.Subset(data, range(start, stop))
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Open the records, build tokenizer and collate, split train/val; idempotent."""
         if self.train_dataset is not None:
@@ -112,11 +115,13 @@ class MediaTextDataModule(L.LightningDataModule, abc.ABC):
             dataset, self.micro_batch_size, rank, dp, train, self.data_seed, self.num_workers, self.collate
         )
 
+    @override
     def train_dataloader(self) -> StatefulDataLoader:
         """Shuffled ``drop_last`` loader of VLM batches (see the subclass's collate)."""
         self.setup("fit")
         return self._loader(self.train_dataset, train=True)
 
+    @override
     def val_dataloader(self) -> StatefulDataLoader | list:
         """In-order loader over the held-out records; ``[]`` when ``val_fraction`` is 0."""
         self.setup("validate")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from typing_extensions import override
 
 
 class SimulatedEnvironment(LightningEnvironment):
@@ -45,14 +46,17 @@ class SimulatedEnvironment(LightningEnvironment):
         self._global_rank = rank
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         """True: Lightning must not launch processes for the simulated ranks."""
         return True
 
+    @override
     def local_rank(self) -> int:
         """Rank within the node: ``rank % devices_per_node``."""
         return self._rank % self._devices
 
+    @override
     def node_rank(self) -> int:
         """Node index: ``rank // devices_per_node``."""
         return self._rank // self._devices

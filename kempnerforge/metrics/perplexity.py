@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
 
 
 class ExpMeanMetric(MeanMetric):
@@ -22,6 +23,7 @@ class ExpMeanMetric(MeanMetric):
     Shapes: ``update(value (), weight ())`` fp32 scalars (nats per token, token count); ``compute() -> ()``.
     """
 
+    @override
     def compute(self) -> torch.Tensor:
         """``exp(sum(value * weight) / sum(weight))`` over every update of every rank."""
         return torch.exp(super().compute())

@@ -42,6 +42,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from kempnerforge.model.transformer import TransformerBlock
+from kempnerforge.parallel.contract import is_moe_layer
 from kempnerforge.parallel.order import record_step
 
 #: Allowed values of ``activation_checkpointing``.
@@ -177,7 +178,7 @@ def apply_ac(model: nn.Module, mode: str = "none", every_n: int = 2) -> list[str
         model.layers.register_module(name, wrap_block(block, context_fn))
         wrapped.append(name)
         for module in block.modules():  # MoE layers keep their routing for the recomputation
-            if getattr(module, "is_moe", False):
+            if is_moe_layer(module):
                 module.save_routing = True
     return wrapped
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from kempnerforge.parallel.contract import is_moe_layer
 from kempnerforge.parallel.order import record_step
 
 
@@ -42,9 +43,7 @@ def apply_compile(model: nn.Module, enabled: bool = True, fullgraph: bool = True
         return []
     # MoE layers and MoMa's expert-choice groups (``data_dependent_shapes``) route a data-dependent
     # number of rows to each expert.
-    moe = [
-        n for n, m in model.named_modules() if getattr(m, "is_moe", False) or getattr(m, "data_dependent_shapes", False)
-    ]
+    moe = [n for n, m in model.named_modules() if is_moe_layer(m) or getattr(m, "data_dependent_shapes", False)]
     if moe:
         raise ValueError(
             f"compile=True is not supported for MoE models ({len(moe)} MoE layers, e.g. {moe[0]}): token "

@@ -19,12 +19,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from kempnerforge.parallel.contract import is_moe_layer
 from kempnerforge.parallel.order import record_step
 
 
 def moe_layers(model: nn.Module) -> list[str]:
     """FQNs of the modules that declare themselves MoE layers (attribute ``is_moe = True``)."""
-    return [name for name, m in model.named_modules() if getattr(m, "is_moe", False)]
+    return [name for name, m in model.named_modules() if is_moe_layer(m)]
 
 
 def validate_ep(ep: int, num_experts: int) -> None:
@@ -63,7 +64,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
     ep = 1 if ep_mesh is None else ep_mesh.size()
     if ep == 1:
         return
-    layers = [m for m in model.modules() if getattr(m, "is_moe", False)]
+    layers = [m for m in model.modules() if is_moe_layer(m)]
     if not layers:
         raise ValueError(f"ep={ep} needs MoE layers, but the model has none; use ep=1.")
     for moe in layers:

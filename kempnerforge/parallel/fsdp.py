@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from kempnerforge.parallel.contract import DeclaresFSDPUnits, is_moe_layer
 from kempnerforge.parallel.order import applied_steps, record_step
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def _expert_placements(root: nn.Module, degree: int) -> Callable[[nn.Parameter],
     """``shard_placement_fn`` for ``fully_shard``: :func:`expert_shard_dim` for the packed expert weights
     under ``root``, FSDP2's default ``Shard(0)`` (None) for every other parameter; None without experts."""
     placement: dict[nn.Parameter, Shard] = {}
-    for moe in (m for m in root.modules() if getattr(m, "is_moe", False)):
+    for moe in (m for m in root.modules() if is_moe_layer(m)):
         for p in moe.experts.parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             placement[p] = Shard(expert_shard_dim(tuple(local.shape), degree))
@@ -141,7 +142,7 @@ def apply_fsdp(
         fully_shard(unit, mesh=on, mp_policy=mp, reshard_after_forward=reshard, **kw)
 
     # Other units the model declares (a VLM's encoder layers, encoder, connector), before its blocks.
-    for unit in model.fsdp_units() if callable(getattr(model, "fsdp_units", None)) else []:
+    for unit in model.fsdp_units() if isinstance(model, DeclaresFSDPUnits) else []:
         shard(unit)
     embedding, norm, head = _decoder_ends(model)
     if _is_tied(embedding, head):
@@ -163,7 +164,7 @@ def apply_fsdp(
         if expert_mesh is None:
             shard(block, reshard=reshard, shard_placement_fn=_expert_placements(block, dense_degree))
             continue
-        for moe in (m for m in block.modules() if getattr(m, "is_moe", False)):
+        for moe in (m for m in block.modules() if is_moe_layer(m)):
             placements = _expert_placements(moe, expert_mesh.size())
             shard(moe.experts, on=expert_mesh, shard_placement_fn=placements)
             shard(moe)

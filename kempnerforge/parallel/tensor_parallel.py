@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from kempnerforge.parallel.contract import DeclaresTPPlan, TiesWeights
 from kempnerforge.parallel.mesh import MeshConfigError
 from kempnerforge.parallel.order import record_step
 
@@ -122,7 +123,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         ValueError: a plan entry matches no module (names the entries), or the plan is empty.
     """
     record_step(model, "tp")
-    if not callable(getattr(model, "tp_plan", None)):
+    if not isinstance(model, DeclaresTPPlan):
         raise TypeError(f"{type(model).__name__} declares no tp_plan(); tensor parallelism cannot be applied.")
     plan = model.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     # A pipeline stage's model holds None where another stage owns the module (embedding, norm, head;
@@ -145,5 +146,5 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     parallelize_module(model, tp_mesh, plan.root)
     for block in blocks:
         parallelize_module(block, tp_mesh, plan.block)
-    if hasattr(model, "tie_weights"):
+    if isinstance(model, TiesWeights):
         model.tie_weights()
