@@ -47,8 +47,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
 
     With ``ep_mesh`` of size 1 (or None) the experts stay whole on every rank and the step only
     records its place in the chain. Otherwise each MoE layer's ``experts.w1/w2/w3`` (num_experts, ...)
-    become DTensors ``Shard(0)`` over ``ep_mesh`` (meta stays meta; ``init_weights`` later copies
-    each rank's slice of the full, sharding-invariant init), and ``experts.ep_group`` is set so the
+    become DTensors ``Shard(0)`` over ``ep_mesh`` (meta stays meta; ``init_weights`` later generates
+    only this rank's experts, element by element from the sharding-invariant counter-based init), and ``experts.ep_group`` is set so the
     forward dispatches tokens with all-to-all.
 
     Args:

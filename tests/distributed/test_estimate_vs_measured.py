@@ -31,8 +31,9 @@ TOPOLOGIES = {
 }
 
 
-def recipe(data_dir: str, topology: str) -> dict:
-    """A small decoder (dim 256, 4 blocks, seq 256, 4 sequences per rank) on 2 CPU processes, fp32."""
+def recipe(data_dir: str, topology: str, root: str) -> dict:
+    """A small decoder (dim 256, 4 blocks, seq 256, 4 sequences per rank) on 2 CPU processes, fp32; Lightning's
+    config.yaml goes to ``root`` (without a logger it would land in the working directory, the repository)."""
     extra = TOPOLOGIES[topology]
     return {
         "seed_everything": 0,
@@ -40,6 +41,7 @@ def recipe(data_dir: str, topology: str) -> dict:
             "accelerator": "cpu",
             "devices": 2,
             "max_steps": STEP + 1,
+            "default_root_dir": root,
             "logger": False,
             "enable_checkpointing": False,
             "enable_progress_bar": False,
@@ -73,7 +75,7 @@ def recipe(data_dir: str, topology: str) -> dict:
 @pytest.mark.parametrize("topology", list(TOPOLOGIES))
 def test_estimated_peak_within_15_percent_of_gloo_measurement(topology, shakespeare_tokens, tmp_path):
     config = tmp_path / f"{topology}.yaml"
-    config.write_text(yaml.safe_dump(recipe(str(shakespeare_tokens), topology)))
+    config.write_text(yaml.safe_dump(recipe(str(shakespeare_tokens), topology, str(tmp_path))))
     launch(2, SCRIPT, ["--out", str(tmp_path), "--step", str(STEP), "--", "--config", str(config)], timeout=300)
     measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     est = estimate(["--config", str(config)], num_nodes=1, devices=2, alternatives=False)

@@ -34,7 +34,8 @@ QUIET = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--tra
 
 
 def _recipe(name: str, tmp: Path) -> list[str]:
-    return ["fit", "--config", f"configs/{name}.yaml", *QUIET, f"--trainer.callbacks.init_args.dirpath={tmp / 'ckpt'}"]
+    return ["fit", "--config", f"configs/{name}.yaml", *QUIET, f"--trainer.default_root_dir={tmp}",
+            f"--trainer.callbacks.init_args.dirpath={tmp / 'ckpt'}"]  # fmt: skip
 
 
 @pytest.fixture
