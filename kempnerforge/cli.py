@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from kempnerforge.callbacks import Preemption
 from kempnerforge.cli_errors import HeldLogs, argparse_error_line, exit_with_error, is_user_error
-from kempnerforge.commands import TOOLS, print_help, run_tool
+from kempnerforge.commands import run_without_lightning
 from kempnerforge.console import add_default_callbacks, filter_harmless_warnings, filter_resume_warning
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.errors import PathError, UserError
@@ -349,11 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     # tokenizes the source of every class in every subcommand's signature (the Trainer's too): 5-10 s of CPU
     # per process, each rank of a multi-process run included, so only when the text is shown.
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=shows_help_text(args))
-    if not args or args[0] in ("-h", "--help"):
-        print_help(args)
-        return
-    if args[0] in TOOLS:
-        run_tool(args[0], args[1:])
+    if run_without_lightning(args):
         return
     token, held = _RUNNING.set(False), HeldLogs().hold()
     held_token = _HELD.set(held)

@@ -92,3 +92,24 @@ def run_tool(name: str, argv: list[str]) -> None:
         print(f"kforge: error: {name}: this installation has no {module_name}", file=sys.stderr)
         raise SystemExit(2) from err
     getattr(module, func)(argv)
+
+
+def run_without_lightning(args: list[str]) -> bool:
+    """Handle ``args`` if they need no LightningCLI: help (:func:`print_help`) or a tool (:func:`run_tool`).
+
+    Args:
+        args: arguments without the program name.
+
+    Returns:
+        True when handled (the caller returns), False for a training command (``fit``, ``validate``, ...).
+
+    Raises:
+        SystemExit: as :func:`print_help` and :func:`run_tool`.
+    """
+    if not args or args[0] in ("-h", "--help"):
+        print_help(args)
+        return True
+    if args[0] in TOOLS:
+        run_tool(args[0], args[1:])
+        return True
+    return False

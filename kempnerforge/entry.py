@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from kempnerforge.commands import TOOLS, print_help, run_tool
+from kempnerforge.commands import run_without_lightning
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -16,12 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     Args:
         argv: arguments without the program name (None: ``sys.argv[1:]``).
     """
-    args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help"):
-        print_help(args)
-        return
-    if args[0] in TOOLS:
-        run_tool(args[0], args[1:])
+    if run_without_lightning(sys.argv[1:] if argv is None else list(argv)):
         return
     from kempnerforge.cli import main as cli_main  # torch, Lightning: only for the training commands
 
