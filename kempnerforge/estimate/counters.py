@@ -169,5 +169,7 @@ def axis_of_group(parallel_mesh: Any) -> dict[str, str]:
             if expert_fsdp.size(i) > 1:
                 label = "dp_shard/ep" if axis == "dp_shard_mod_ep" else axis
                 names.setdefault(expert_fsdp.get_group(i).group_name, label)
+        if parallel_mesh.expert_shard is not None:  # EP + HSDP: experts' norms reduce over it
+            names.setdefault(parallel_mesh.expert_shard.get_group().group_name, "dp_shard")
     names.setdefault(dist.group.WORLD.group_name, "world")
     return names

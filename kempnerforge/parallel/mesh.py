@@ -128,6 +128,8 @@ class ParallelMesh:
     def __init__(self, dims: ParallelDims, world: DeviceMesh) -> None:
         self.dims = dims
         self.world = world
+        #: With EP + HSDP, ``(dp_shard_mod_ep, ep)`` flattened (set by :attr:`expert`; the same ranks as ``dp_shard``).
+        self.expert_shard: DeviceMesh | None = None
 
     @cached_property
     def dp(self) -> DeviceMesh:
@@ -167,8 +169,11 @@ class ParallelMesh:
         split = (self.dims.dp_shard // ep, ep)
         # Private DeviceMesh API, as in `dp`: no public unflatten in torch 2.13.
         if self.dims.dp_replicate > 1:
-            hsdp = self.world["dp_replicate", "dp_shard"]
-            return hsdp._unflatten(1, split, ("dp_shard_mod_ep", "ep"))
+            expert = self.world["dp_replicate", "dp_shard"]._unflatten(1, split, ("dp_shard_mod_ep", "ep"))
+            # Registered on the root so DTensor reduces an expert weight's norm over (dp_shard_mod_ep, ep) in one
+            # collective, not two in sequence (torch warns otherwise).
+            self.expert_shard = expert["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
+            return expert
         return self.world["dp_shard"]._unflatten(0, split, ("dp_shard_mod_ep", "ep"))
 
     @cached_property
