@@ -164,7 +164,12 @@ def axis_of_group(parallel_mesh: Any) -> dict[str, str]:
         names.setdefault(parallel_mesh.dp.get_group().group_name, "dp")
     if dims.ep > 1:
         names[parallel_mesh.ep.get_group().group_name] = "ep"
-        if parallel_mesh.expert_fsdp.size() > 1:
-            names[parallel_mesh.expert_fsdp.get_group().group_name] = "dp_shard/ep"
+        expert_fsdp = parallel_mesh.expert_fsdp  # (dp_replicate, dp_shard_mod_ep) with HSDP, else 1-D
+        for i, axis in enumerate(expert_fsdp.mesh_dim_names):
+            if expert_fsdp.size(i) > 1:
+                label = "dp_shard/ep" if axis == "dp_shard_mod_ep" else axis
+                names.setdefault(expert_fsdp.get_group(i).group_name, label)
+        if parallel_mesh.expert_shard is not None:  # EP + HSDP: experts' norms reduce over it
+            names.setdefault(parallel_mesh.expert_shard.get_group().group_name, "dp_shard")
     names.setdefault(dist.group.WORLD.group_name, "world")
     return names

@@ -122,8 +122,9 @@ def apply_fsdp(
         reduce_dtype: dtype of gradient reduce-scatter / all-reduce (keep fp32).
         reshard_after_forward: free unsharded parameters after forward (ZeRO-3); False keeps them
             until backward (ZeRO-2-like, more memory, one all-gather fewer).
-        expert_mesh: with expert parallelism, the ``dp_shard_mod_ep`` mesh
-            (``ParallelMesh.expert_fsdp``): each MoE layer's experts become their own unit on it, and
+        expert_mesh: with expert parallelism, the ``dp_shard_mod_ep`` mesh, or ``(dp_replicate,
+            dp_shard_mod_ep)`` with HSDP (``ParallelMesh.expert_fsdp``; experts replicated over
+            ``dp_replicate``): each MoE layer's experts become their own unit on it, and
             the MoE layer (router, shared experts) another unit on ``mesh``, separate from the block's
             attention unit (one unit per block would interleave the EP all-to-alls with its
             reduce-scatter and deadlock). Without it, expert weights are sharded with the block over
@@ -165,7 +166,7 @@ def apply_fsdp(
             shard(block, reshard=reshard, shard_placement_fn=_expert_placements(block, dense_degree))
             continue
         for moe in (m for m in block.modules() if is_moe_layer(m)):
-            placements = _expert_placements(moe, expert_mesh.size())
+            placements = _expert_placements(moe, expert_mesh.size(expert_mesh.ndim - 1))  # HSDP: dp_shard_mod_ep
             shard(moe.experts, on=expert_mesh, shard_placement_fn=placements)
             shard(moe)
         shard(block, reshard=reshard)

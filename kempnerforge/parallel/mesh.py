@@ -3,8 +3,9 @@
 Follows torchtitan v0.2 (``ParallelDims``): the world is factored as
 ``pp x dp_replicate x dp_shard x cp x tp`` (outermost to innermost, so TP ranks are neighbours
 and share the fastest links); ``dp_shard=-1`` takes whatever the other degrees leave.
-Expert parallelism (``ep``) borrows ranks from ``dp_shard x cp`` as in torchtitan and is therefore
-not a separate factor of the world size.
+Expert parallelism (``ep``) borrows ranks from ``dp_shard`` as in torchtitan and is therefore
+not a separate factor of the world size; with HSDP (``dp_replicate > 1``) the experts are replicated
+over ``dp_replicate`` like every other parameter.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class ParallelDims:
         tp: tensor-parallel degree (Megatron-LM, arXiv:1909.08053).
         pp: pipeline-parallel degree.
         cp: context-parallel degree.
-        ep: expert-parallel degree (borrows ranks from ``dp_shard * cp``).
+        ep: expert-parallel degree (borrows ranks from ``dp_shard``; experts are replicated over ``dp_replicate``).
         world_size: number of ranks.
 
     Raises:
@@ -91,11 +92,6 @@ class ParallelDims:
             raise MeshConfigError(
                 f"ep={self.ep} must divide dp_shard={self.dp_shard}: expert parallelism borrows its ranks from "
                 f"dp_shard; allowed ep: {[d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]}."
-            )
-        if self.ep > 1 and self.dp_replicate > 1:
-            raise MeshConfigError(
-                f"ep={self.ep} with dp_replicate={self.dp_replicate} is not supported (experts are FSDP-sharded "
-                "over dp_shard / ep only); use dp_replicate=1 with ep > 1."
             )
         product = others * self.dp_shard
         if product != self.world_size:
@@ -132,6 +128,8 @@ class ParallelMesh:
     def __init__(self, dims: ParallelDims, world: DeviceMesh) -> None:
         self.dims = dims
         self.world = world
+        #: With EP + HSDP, ``(dp_shard_mod_ep, ep)`` flattened (set by :attr:`expert`; the same ranks as ``dp_shard``).
+        self.expert_shard: DeviceMesh | None = None
 
     @cached_property
     def dp(self) -> DeviceMesh:
@@ -158,12 +156,25 @@ class ParallelMesh:
 
     @cached_property
     def expert(self) -> DeviceMesh:
-        """2-D expert mesh ``(dp_shard_mod_ep, ep)``: ``dp_shard`` unflattened with ``ep`` innermost (EP
-        ranks are neighbours), as torchtitan v0.2; both axes share the world mesh as root, so FSDP2 over
-        ``dp_shard_mod_ep`` composes with expert DTensors on ``ep``."""
+        """Expert mesh: ``dp_shard`` unflattened into ``(dp_shard_mod_ep, ep)`` with ``ep`` innermost (EP ranks are
+        neighbours), as torchtitan v0.2; with HSDP the ``dp_replicate`` axis stays in front, giving the 3-D
+        ``(dp_replicate, dp_shard_mod_ep, ep)``. All axes share the world mesh as root, so FSDP2 over
+        :attr:`expert_fsdp` composes with expert DTensors on :attr:`ep`.
+
+        Rank layout (``pp = cp = tp = 1``): global rank ``r * dp_shard + s * ep + e`` sits at ``dp_replicate=r``,
+        ``dp_shard_mod_ep=s``, ``ep=e``; it holds the experts ``[e * E / ep, (e + 1) * E / ep)``, FSDP-shard ``s``
+        of them, and so do the ``dp_replicate`` ranks that differ from it in ``r`` only (its replicas).
+        """
         ep = self.dims.ep
+        split = (self.dims.dp_shard // ep, ep)
         # Private DeviceMesh API, as in `dp`: no public unflatten in torch 2.13.
-        return self.world["dp_shard"]._unflatten(0, (self.dims.dp_shard // ep, ep), ("dp_shard_mod_ep", "ep"))
+        if self.dims.dp_replicate > 1:
+            expert = self.world["dp_replicate", "dp_shard"]._unflatten(1, split, ("dp_shard_mod_ep", "ep"))
+            # Registered on the root so DTensor reduces an expert weight's norm over (dp_shard_mod_ep, ep) in one
+            # collective, not two in sequence (torch warns otherwise).
+            self.expert_shard = expert["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
+            return expert
+        return self.world["dp_shard"]._unflatten(0, split, ("dp_shard_mod_ep", "ep"))
 
     @cached_property
     def ep(self) -> DeviceMesh:
@@ -172,7 +183,11 @@ class ParallelMesh:
 
     @cached_property
     def expert_fsdp(self) -> DeviceMesh:
-        """1-D mesh FSDP2 shards expert weights over: ``dp_shard / ep`` ranks holding the same experts."""
+        """Mesh FSDP2 shards expert weights over: 1-D ``dp_shard_mod_ep`` (the ``dp_shard / ep`` ranks holding the
+        same experts), or with HSDP the 2-D ``(dp_replicate, dp_shard_mod_ep)``: expert gradients are then
+        reduce-scattered over ``dp_shard_mod_ep`` and all-reduced over ``dp_replicate``, like the dense ones."""
+        if self.dims.dp_replicate > 1:
+            return self.expert["dp_replicate", "dp_shard_mod_ep"]
         return self.expert["dp_shard_mod_ep"]
 
     @property

@@ -8,6 +8,9 @@
   (dim-1 FSDP shards; dim 0 would leave each rank a whole expert, half of them padding) and 5 steps
   equal one process; its checkpoint resumes at ep=1 x dp_shard=4 (experts dim-1 sharded by plain FSDP2
   over 4 ranks) and continues exactly.
+- EP + HSDP (issue 19 check 2), one 4-process launch: ep=2 x dp_replicate=2 replicates each EP rank's experts
+  over dp_replicate and equals one process for 5 steps; its step-3 checkpoint resumes exactly on the same layout
+  (in the same launch) and reshards to 1 process.
 """
 
 from __future__ import annotations
@@ -92,4 +95,48 @@ def test_expert_checkpoint_resumes_under_another_expert_layout(single_two_expert
     for a, b, c in zip(record["losses"], straight["losses"][3:], single_two_experts["losses"][3:], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5) and a == pytest.approx(c, rel=1e-5, abs=1e-5)
     for a, b in zip(record["grad_norms"], single_two_experts["grad_norms"][3:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ep_hsdp(shakespeare_tokens, tmp_path_factory):
+    """4 processes, ep=2 x dp_replicate=2 (dp_shard=2, so one expert-FSDP shard): 5 steps with a checkpoint at
+    step 3, then, in the same processes, a fresh Trainer resumed from it for steps 4-5 (one launch for both)."""
+    root = tmp_path_factory.mktemp("ep_hsdp")
+    ckpt = root / "ckpt" / "step=0003.ckpt"
+    record = train(4, shakespeare_tokens, root / "ep.json", "--steps", "5", "--micro-batch", "2", "--moe", "--ep", "2",
+                   "--dp-replicate", "2", "--ckpt-dir", str(root / "ckpt"), "--ckpt-every", "3",
+                   "--then-resume", str(ckpt), timeout=300)  # fmt: skip
+    return record, ckpt
+
+
+def test_ep2_with_hsdp_replicates_experts_and_matches_single_process(single_moe, ep_hsdp):
+    """Issue 19 check 2: ranks (dp_replicate, dp_shard) = (r, e) hold experts [4e, 4e + 4) whole, the same on both
+    replicas; 5 steps equal one process on the same global batch (expert gradients all-reduced over dp_replicate)."""
+    record, _ = ep_hsdp
+    layout = record["expert_layout"]
+    assert [x["experts"] for x in layout] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+    assert all(x["mesh"] == ["dp_replicate", "dp_shard_mod_ep", "ep"] and x["placements"][0] == "R" for x in layout)
+    held = record["expert_bytes"]
+    assert held["local"] == [held["global"] // 2] * 4, held
+    _assert_parity(record, single_moe)
+
+
+def test_ep_hsdp_checkpoint_resumes_exactly(ep_hsdp):
+    """The step-3 HSDP + EP checkpoint resumed on the same layout: steps 4-5 equal the uninterrupted run bitwise."""
+    record, _ = ep_hsdp
+    resumed = record["resumed"]
+    assert resumed["steps"] == [4, 5]
+    assert resumed["losses"] == record["losses"][3:] and resumed["grad_norms"] == record["grad_norms"][3:]
+
+
+def test_ep_hsdp_checkpoint_reshards_to_one_process(single_moe, ep_hsdp, shakespeare_tokens, tmp_path):
+    """The same checkpoint at 1 process (experts whole, no mesh): steps 4-5 equal the uninterrupted runs."""
+    straight, ckpt = ep_hsdp
+    record = train(1, shakespeare_tokens, tmp_path / "one.json", "--steps", "5", "--micro-batch", "8", "--moe",
+                   "--resume", str(ckpt), timeout=300)  # fmt: skip
+    assert record["steps"] == [4, 5]
+    for a, b, c in zip(record["losses"], straight["losses"][3:], single_moe["losses"][3:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5) and a == pytest.approx(c, rel=1e-5, abs=1e-5)
+    for a, b in zip(record["grad_norms"], single_moe["grad_norms"][3:], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)

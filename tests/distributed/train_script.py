@@ -18,6 +18,7 @@ from kempnerforge.config import ModelConfig
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.data.streaming import StreamingTokenDataModule
 from kempnerforge.module import CausalLM
+from kempnerforge.parallel.dtensor import shard_indices
 from kempnerforge.parallel.grad_clip import total_grad_norm
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.lr import SchedulerConfig
@@ -89,40 +90,27 @@ def _expert_bytes(model: torch.nn.Module) -> dict:
     return {"local": per_rank, "global": sum(p.numel() * p.element_size() for p in experts)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--dp-shard", type=int, default=-1)
-    p.add_argument("--dp-replicate", type=int, default=1)
-    p.add_argument("--ckpt-dir", default=None)
-    p.add_argument("--ckpt-every", type=int, default=0)
-    p.add_argument("--resume", default=None)
-    p.add_argument("--tie", action="store_true")
-    p.add_argument("--ac", default="none", help="activation_checkpointing mode")
-    p.add_argument("--ac-every-n", type=int, default=2)
-    p.add_argument("--compile", action="store_true", help="per-block torch.compile")
-    p.add_argument("--float8", default=None, help="float8_recipe (tests/gpu)")
-    p.add_argument("--float8-all-gather", action="store_true")
-    p.add_argument("--param-dtype", default="float32", help="mixed_precision_param")
-    p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (nccl, tests/gpu)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--moe", action="store_true", help="train the MoE variant of the tiny model")
-    p.add_argument("--num-experts", type=int, default=8, help="with --moe")
-    p.add_argument("--top-k", type=int, default=2, help="with --moe")
-    p.add_argument("--loss-chunk-size", type=int, default=0, help="CausalLM.loss_chunk_size (0: full logits)")
-    p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--no-loss-parallel", action="store_true")
-    p.add_argument("--record-batches", default=None, help="folder: each rank writes its batches as JSON")
-    p.add_argument(
-        "--stream-jsonl", default=None, help="stream this jsonl (StreamingTokenDataModule) instead of --data"
-    )
-    args = p.parse_args()
+def _expert_layout(model: torch.nn.Module) -> list[dict]:
+    """Every rank's layout of the first MoE layer's ``experts.w1``: the DTensor mesh axes and placements, and the
+    global expert ids and ``hidden`` rows this rank stores (:func:`~kempnerforge.parallel.dtensor.shard_indices`)."""
+    w1 = next(p for n, p in model.named_parameters() if n.endswith(".experts.w1"))
+    experts, rows, _ = shard_indices(w1)
+    mine = {
+        "mesh": list(w1.device_mesh.mesh_dim_names) if isinstance(w1, DTensor) else None,
+        "placements": [str(p) for p in w1.placements] if isinstance(w1, DTensor) else None,
+        "experts": experts.tolist(),
+        "rows": rows.tolist(),
+    }
+    if not torch.distributed.is_initialized():
+        return [mine]
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return every
 
+
+def fit(args: argparse.Namespace, ckpt_dir: str | None, ckpt_path: str | None):
+    """One ``Trainer.fit`` of the tiny model under the strategy the arguments describe; returns (trainer, module,
+    recorder). Checkpoints go to ``ckpt_dir`` (None: none); ``ckpt_path`` resumes."""
     seed_everything(0, workers=True)
     # CUDA: some kernels (SDPA backward, embedding backward) have no deterministic variant; warn only.
     torch.use_deterministic_algorithms(True, warn_only=args.accelerator != "cpu")
@@ -142,10 +130,10 @@ def main() -> None:
         data = StreamingTokenDataModule(spec, tokenizer, seq_len=args.seq_len, micro_batch_size=args.micro_batch)
     recorder = Recorder()
     callbacks = [recorder]
-    if args.ckpt_dir:
+    if ckpt_dir:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=args.ckpt_dir,
+                dirpath=ckpt_dir,
                 filename="step={step:04d}",
                 auto_insert_metric_name=False,
                 every_n_train_steps=args.ckpt_every,
@@ -172,26 +160,65 @@ def main() -> None:
         max_steps=args.steps,
         limit_val_batches=0,
         logger=False,
-        enable_checkpointing=bool(args.ckpt_dir),
+        enable_checkpointing=bool(ckpt_dir),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(module, datamodule=data, ckpt_path=args.resume)
-    expert_bytes = _expert_bytes(module.model) if args.moe else None
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, module, recorder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--dp-shard", type=int, default=-1)
+    p.add_argument("--dp-replicate", type=int, default=1)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--then-resume", default=None, help="then resume this checkpoint in the same processes")
+    p.add_argument("--tie", action="store_true")
+    p.add_argument("--ac", default="none", help="activation_checkpointing mode")
+    p.add_argument("--ac-every-n", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="per-block torch.compile")
+    p.add_argument("--float8", default=None, help="float8_recipe (tests/gpu)")
+    p.add_argument("--float8-all-gather", action="store_true")
+    p.add_argument("--param-dtype", default="float32", help="mixed_precision_param")
+    p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (nccl, tests/gpu)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--moe", action="store_true", help="train the MoE variant of the tiny model")
+    p.add_argument("--num-experts", type=int, default=8, help="with --moe")
+    p.add_argument("--top-k", type=int, default=2, help="with --moe")
+    p.add_argument("--loss-chunk-size", type=int, default=0, help="CausalLM.loss_chunk_size (0: full logits)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--no-loss-parallel", action="store_true")
+    p.add_argument("--record-batches", default=None, help="folder: each rank writes its batches as JSON")
+    p.add_argument(
+        "--stream-jsonl", default=None, help="stream this jsonl (StreamingTokenDataModule) instead of --data"
+    )
+    args = p.parse_args()
+    trainer, module, recorder = fit(args, args.ckpt_dir, args.resume)
+    record = {
+        "losses": recorder.losses,
+        "grad_norms": recorder.grad_norms,
+        "steps": recorder.steps,
+        "clipped_norms": recorder.clipped_norms,
+        "expert_bytes": _expert_bytes(module.model) if args.moe else None,
+        "expert_layout": _expert_layout(module.model) if args.moe else None,
+        "callback_norms": recorder.callback_norms,
+    }
+    if args.then_resume:  # a fresh module and Trainer in the same processes (saves a launch)
+        _, _, resumed = fit(args, None, args.then_resume)
+        record["resumed"] = {"losses": resumed.losses, "grad_norms": resumed.grad_norms, "steps": resumed.steps}
     if trainer.global_rank == 0:
         with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "losses": recorder.losses,
-                    "grad_norms": recorder.grad_norms,
-                    "steps": recorder.steps,
-                    "clipped_norms": recorder.clipped_norms,
-                    "expert_bytes": expert_bytes,
-                    "callback_norms": recorder.callback_norms,
-                },
-                f,
-            )
+            json.dump(record, f)
     if args.record_batches:
         coords = trainer.strategy.parallel_mesh.coordinates()
         with open(os.path.join(args.record_batches, f"rank{trainer.global_rank}.json"), "w") as f:

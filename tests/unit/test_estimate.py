@@ -217,3 +217,19 @@ def test_video_vlm_is_estimated_with_full_clips():
     est = estimate(["--config", str(REPO / "configs" / "vlm_video.yaml")], 1, 1, alternatives=False)
     (role,) = est.roles
     assert est.verdict.fits and role.flops > 0 and not role.fallbacks
+
+
+def test_ep_with_hsdp_holds_half_of_every_weight_and_all_reduces_over_dp_replicate():
+    """moe_debug at 1 x 4 with ep=2 x dp_replicate=2 (dp_shard=2, one expert-FSDP shard): dense weights are 1/2
+    per rank (dp_shard=2), experts 1/2 too (ep=2, replicated over dp_replicate), so a rank holds half the fp32
+    model; every gradient shard is all-reduced over dp_replicate once, experts are not reduce-scattered (nothing
+    left to shard them over), and tokens travel over ep."""
+    args = ["--config", str(REPO / "configs" / "moe_debug.yaml"), *SHORT]
+    lines: list[str] = []
+    est = estimate([*args, "--trainer.strategy.init_args.ep=2", "--trainer.strategy.init_args.dp_replicate=2"], 1, 4,
+                   alternatives=False, progress=lines.append)  # fmt: skip
+    assert "EP=2 -> FSDP2 over dp_replicate=2 x dp_shard=2 (experts over dp_replicate=2 x dp_shard/ep=1)" in str(lines)
+    (role,) = est.roles
+    assert role.params_bytes == pytest.approx(est.model_params * 4 / 2, rel=1e-3)
+    assert role.comm["all_reduce[dp_replicate]"] == pytest.approx(role.grads_bytes, rel=1e-3)
+    assert role.comm["all_to_all[ep]"] > 0 and not any("dp_shard/ep" in k for k in role.comm)

@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from kempnerforge.config import ModelConfig
+from kempnerforge.estimate.cluster import fake_world
 from kempnerforge.model import Transformer
 from kempnerforge.model.vlm.model import VisionLanguageModel
+from kempnerforge.parallel.dtensor import shard_indices
 from kempnerforge.parallel.expert_parallel import apply_ep
 from kempnerforge.parallel.fsdp import apply_fsdp, expert_shard_dim
 from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh
@@ -175,3 +177,47 @@ def test_expert_shard_dim_prefers_dim0_then_the_first_even_dim(caplog):
     assert expert_shard_dim((4, 48, 32), 3) == 1  # dim 0 would give 2, 2, 0 experts
     assert expert_shard_dim((4, 10, 32), 3) == 0  # dims 1 and 2 do not divide by 3 either: padded dim 0
     assert "no dim divides by the FSDP degree 3" in caplog.text
+
+
+@pytest.mark.parametrize(("num_experts", "fsdp_dim"), [(8, 0), (2, 1)], ids=["8-experts-dim0", "2-experts-dim1"])
+def test_ep_with_hsdp_which_rank_holds_which_expert_shard(num_experts, fsdp_dim):
+    """dp_replicate=2 x dp_shard=4 with ep=2 on a fake 8-rank world, every rank in turn: global rank
+    ``g = 4r + 2s + e`` (replica r, expert-FSDP shard s, EP rank e) holds EP rank e's experts, FSDP shard s of them
+    (on dim 0 with 4 local experts, on dim 1 with 1), the same as its replica ``g +- 4``; the weights are DTensors
+    on (dp_replicate, dp_shard_mod_ep, ep), Replicate over dp_replicate; and the sharded init gives every rank its
+    slice of the one-process init (the oracle: the unsharded model's weights indexed by the rank's indices)."""
+    cfg = _moe(num_experts)
+    with torch.device("meta"):
+        full = Transformer(cfg)
+    full.to_empty(device="cpu")
+    full.init_weights(seed=5)
+    want = _expert_weights(full)
+    held, groups = {}, {}
+    for g in range(8):
+        with fake_world(8, g):  # clears DTensor's mesh-keyed caches between the simulated ranks
+            pm = ParallelDims(dp_replicate=2, dp_shard=4, ep=2, world_size=8).build_mesh("cpu")
+            groups[g] = (pm.ep.mesh.tolist(), pm.expert_fsdp.mesh.tolist())
+            model = _meta(cfg)
+            apply_ep(model, pm.ep)
+            apply_fsdp(model, pm.fsdp, expert_mesh=pm.expert_fsdp)
+            model.to_empty(device="cpu")
+            model.init_weights(seed=5)
+            for name, p in _expert_weights(model).items():
+                names, placements = _placement(p)
+                assert names == ("dp_replicate", "dp_shard_mod_ep", "ep"), name
+                assert placements[0].is_replicate() and placements[1].dim == fsdp_dim and placements[2] == Shard(0)
+                idx = shard_indices(p)
+                assert torch.equal(p.to_local(), want[name][torch.meshgrid(*idx, indexing="ij")]), (g, name)
+                held[g, name] = [i.tolist() for i in idx]
+            assert _placement(model.layers["0"].moe.router.gate.weight)[0] == ("dp_replicate", "dp_shard")
+    name = "layers.0.moe.experts.w1"
+    hidden = want[name].shape[1]
+    for g in range(8):
+        r, s, e = g // 4, g // 2 % 2, g % 2
+        assert groups[g] == ([4 * r + 2 * s, 4 * r + 2 * s + 1], [[e, 2 + e], [4 + e, 6 + e]]), g
+        experts, rows, _ = held[g, name]
+        if fsdp_dim == 0:  # 4 experts per EP rank, 2 per FSDP shard
+            assert experts == [4 * e + 2 * s, 4 * e + 2 * s + 1] and rows == list(range(hidden)), g
+        else:  # 1 expert per EP rank, its hidden rows split in 2
+            assert experts == [e] and rows == list(range(s * hidden // 2, (s + 1) * hidden // 2)), g
+        assert held[g, name] == held[(g + 4) % 8, name]  # the replica holds the same shard

@@ -49,12 +49,13 @@ def test_pp_takes_its_ranks_from_the_world():
     assert (dims.dp_shard, dims.shape) == (2, (2, 1, 2, 1, 1))
 
 
-def test_ep_must_divide_dp_shard_and_excludes_dp_replicate():
+def test_ep_must_divide_dp_shard_and_composes_with_dp_replicate():
     assert ParallelDims(ep=2, world_size=4).dp_shard == 4
     with pytest.raises(MeshConfigError, match=r"ep=3 must divide dp_shard=4.*allowed ep: \[1, 2, 4\]"):
         ParallelDims(ep=3, world_size=4)
-    with pytest.raises(MeshConfigError, match="ep=2 with dp_replicate=2 is not supported"):
-        ParallelDims(ep=2, dp_replicate=2, world_size=4)
+    assert ParallelDims(ep=2, dp_replicate=2, world_size=4).shape == (1, 2, 2, 1, 1)  # EP + HSDP
+    with pytest.raises(MeshConfigError, match=r"ep=4 must divide dp_shard=2.*allowed ep: \[1, 2\]"):
+        ParallelDims(ep=4, dp_replicate=2, world_size=4)  # ep borrows from dp_shard only, never dp_replicate
 
 
 def test_strategy_refuses_bad_degrees_at_construction():
