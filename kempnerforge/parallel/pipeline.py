@@ -1,4 +1,5 @@
-"""Pipeline parallelism for the dense decoder: option checks, stage split, per-rank pruning, schedules.
+"""Pipeline parallelism for the decoder (dense or MoE, tied or not): option checks, stage split, per-rank
+pruning, schedules.
 
 Follows torchtitan v0.2 (``distributed/pipeline_parallel.py`` and the Llama ``pipeline_llama``):
 the ``n_layers`` blocks are cut into ``pp * virtual_stages`` stages (balanced by layer count or at

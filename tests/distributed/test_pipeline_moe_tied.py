@@ -97,5 +97,7 @@ def test_pp2_tied_checkpoint_holds_one_embedding(pp2, root):
     for alias in ("tok_embeddings.weight", "output.weight"):
         writes = [i for i in meta.storage_data if i.fqn == f"state_dict.model.{alias}"]
         assert len(writes) == 1, writes
-    state = {k for k in meta.state_dict_metadata if k.startswith("optimizer_0.state.") and ("tok_" in k or "output" in k)}
+    state = {
+        k for k in meta.state_dict_metadata if k.startswith("optimizer_0.state.") and ("tok_" in k or "output" in k)
+    }
     assert state == {f"optimizer_0.state.model.tok_embeddings.weight.{m}" for m in ("exp_avg", "exp_avg_sq", "step")}
