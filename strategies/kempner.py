@@ -307,7 +307,7 @@ class KempnerStrategy(ModelParallelStrategy):
         if isinstance(module, ValidatesParallel):
             module.validate_parallel(dims)
         validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
-        validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options, ep=dims.ep)
+        validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options, ep=dims.ep, tp=dims.tp)
         return dims
 
     @override

@@ -102,6 +102,7 @@ def validate_pipeline_model(
     is_vlm: bool,
     ep: int = 1,
     schedule: str = "1f1b",
+    tp: int = 1,
 ) -> None:
     """Check the pipeline against the model, before anything is allocated (no-op for ``pp=1``).
 
@@ -114,7 +115,9 @@ def validate_pipeline_model(
         MeshConfigError: more stages than layers, a split point at or past ``n_layers``, ``ep > 1``
             (expert parallelism inside stages is not proven on a pipeline yet), tied embeddings with a
             V-shaped schedule (``zbv`` puts the first and last stage on one rank as two FSDP2 roots,
-            which cannot share one parameter), or a vision-language model (see :data:`VLM_REFUSAL`).
+            which cannot share one parameter), tied embeddings with ``tp > 1`` (the tensor-parallel copy of
+            the tied weight on the last stage desynchronizes the stages' collectives: a gloo size mismatch),
+            or a vision-language model (see :data:`VLM_REFUSAL`).
     """
     if pp == 1:
         return
@@ -137,6 +140,12 @@ def validate_pipeline_model(
             f"pp_schedule={schedule!r} with tie_embeddings=true is not supported: the V placement puts the first "
             "and the last stage on one rank as two FSDP2 roots, which cannot share the tied weight; use "
             "1f1b, gpipe, interleaved_1f1b or zero_bubble, or set model.config.tie_embeddings=false."
+        )
+    if tie_embeddings and tp > 1:
+        raise MeshConfigError(
+            f"tp={tp} with pp={pp} and tie_embeddings=true is not supported: the last stage's tensor-parallel copy "
+            "of the tied weight does not line up with the first stage's collectives yet; use tp=1 (dp_shard "
+            "works) or set model.config.tie_embeddings=false."
         )
     if is_vlm:
         raise MeshConfigError(f"pp={pp}: {VLM_REFUSAL}")
@@ -172,6 +181,7 @@ def validate_pipeline_run(
     virtual_stages: int,
     split_points: Sequence[int] | None,
     ep: int = 1,
+    tp: int = 1,
 ) -> None:
     """The pp rules that need the LightningModule and the datamodule (no-op for ``pp=1``).
 
@@ -198,6 +208,7 @@ def validate_pipeline_run(
         is_vlm=is_vision_language(module),
         ep=ep,
         schedule=schedule,
+        tp=tp,
     )
     for field, value in (
         ("model.loss_chunk_size", getattr(module, "loss_chunk_size", 0)),

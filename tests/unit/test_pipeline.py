@@ -90,6 +90,7 @@ def test_pipeline_option_rules(kwargs, message):
         ({"split_points": [4]}, r"pp_split_points=\[4\] must be < n_layers=4"),
         ({"num_experts": 8, "ep": 2}, r"ep=2 with pp=2 is not supported: expert parallelism inside pipeline"),
         ({"tie_embeddings": True, "schedule": "zbv", "virtual_stages": 2}, r"'zbv' with tie_embeddings=true"),
+        ({"tie_embeddings": True, "tp": 2}, r"tp=2 with pp=2 and tie_embeddings=true is not supported"),
         ({"is_vlm": True}, r"pp=2: vision-language models are not supported with pp > 1; use pp=1"),
     ],
 )
