@@ -247,18 +247,22 @@ class CausalLM(LightningModule):
         loss_sum: torch.Tensor,
         n_targets: torch.Tensor,
         z_sum: torch.Tensor | None = None,
+        moe_aux_in_backward: bool = False,
     ) -> torch.Tensor:
         """Register one micro-batch's CE sum (``train/loss`` logs it) and return what to backpropagate:
         CE plus the weighted z-loss and MoE aux losses, all on the same global-token normalization
         (:class:`~kempnerforge.training.loss.StepTokenNormalizer`: divided by the step's global target
-        count here without accumulation, by :meth:`optimizer_step` after the last backward with it)."""
+        count here without accumulation, by :meth:`optimizer_step` after the last backward with it).
+        ``moe_aux_in_backward``: the pipeline already put the stages' MoE aux losses into the backward and
+        collected their statistics (:mod:`kempnerforge.parallel.pipeline_aux`), so they are not added here."""
         accumulate = self.trainer.accumulate_grad_batches
         new_step = batch_idx % accumulate == 0
         objective = loss_sum
         if self.z_loss_weight and z_sum is not None:
             objective = objective + self.z_loss_weight * z_sum
             self.log("train/z_loss", z_sum.detach() / n_targets.clamp(min=1), rank_zero_only=True)
-        objective = self._add_moe_aux_loss(objective, n_targets, new_step)
+        if not moe_aux_in_backward:
+            objective = self._add_moe_aux_loss(objective, n_targets, new_step)
         factor = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step, accumulate, self._dp_group())
         tokens = batch["input_ids"].numel() * self._dp_size()
         self.tokens_seen += tokens
@@ -398,7 +402,9 @@ class CausalLM(LightningModule):
         # kempnerforge.callbacks.ProgressBar shows train/loss at the logging interval instead.
         self.log("train/loss", global_loss, rank_zero_only=True)
         pp_group = getattr(self.trainer.strategy, "pp_group", None)  # pipeline stages: norm over all of them
-        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=pp_group)
+        # A tied embedding's copy on the last pipeline stage: clipped, but counted once (on the first stage).
+        skip = getattr(self.trainer.strategy, "grad_norm_skip", ())
+        norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=pp_group, norm_skip=skip)
         self.log("train/grad_norm", norm, rank_zero_only=True)
         self._moe_step()
 
@@ -409,6 +415,8 @@ class CausalLM(LightningModule):
         every = max(1, self.trainer.log_every_n_steps)
         if self.config.num_experts > 0 and (self.trainer.global_step + 1) % every == 0:
             metrics = self._moe.metrics(self.model)
+            if not metrics:  # a pipeline stage of dense blocks only
+                return
             # One read-back for all layers' statistics (the logger would read each value on its own).
             values = torch.stack([v.detach().float().reshape(()) for v in metrics.values()]).cpu()
             for name, value in zip(metrics, values, strict=True):

@@ -52,6 +52,7 @@ from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degr
 from kempnerforge.parallel.order import record_step
 from kempnerforge.parallel.pipeline import validate_pipeline_options, validate_pipeline_run
 from kempnerforge.parallel.pipeline_runner import PipelineRunner, update_validation_metrics
+from kempnerforge.parallel.pipeline_tied import tied_embedding_group
 from kempnerforge.parallel.precision import (
     apply_matmul_precision,
     check_matmul_precision,
@@ -284,6 +285,8 @@ class KempnerStrategy(ModelParallelStrategy):
                 self.loss_parallel = False
             n_layers = self.lightning_module.config.n_layers
             self.pipeline = PipelineRunner(self.parallel_mesh.pp, n_layers, **self.pp_options)
+            if self.lightning_module.config.tie_embeddings:  # every rank joins the first/last-stage groups
+                self.pipeline.tied_group = tied_embedding_group(self.parallel_mesh.world)
         self._device_mesh = self.parallel_mesh.world
         self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy does (no public setter)
         rank_zero_info(f"{self.parallel_mesh.describe()}; {self.describe_precision()}")
@@ -304,7 +307,7 @@ class KempnerStrategy(ModelParallelStrategy):
         if isinstance(module, ValidatesParallel):
             module.validate_parallel(dims)
         validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
-        validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options)
+        validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options, ep=dims.ep, tp=dims.tp)
         return dims
 
     @override
@@ -608,6 +611,27 @@ class KempnerStrategy(ModelParallelStrategy):
     def pp_group(self) -> Any:
         """The pipeline process group when ``pp > 1`` (gradient norms are summed over it), else None."""
         return self.pipeline.pp_mesh.get_group() if self.pipeline is not None else None
+
+    @property
+    def grad_norm_skip(self) -> list[torch.Tensor]:
+        """Parameters the gradient norm leaves out (clipping still scales them): with ``pp > 1`` and tied
+        embeddings, the last stage's copy of the embedding weight (counted once, on the first stage)."""
+        return self.pipeline.norm_skip(self.lightning_module.model) if self.pipeline is not None else []
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step; with ``pp > 1`` the tied embedding's first- and last-stage gradients are
+        summed once right after the step's last backward, before any ``on_before_optimizer_step`` hook."""
+        if self.pipeline is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        pipeline, module = self.pipeline, self.lightning_module
+
+        def step_closure() -> Any:
+            out = closure()
+            pipeline.finish_step_gradients(module.model)
+            return out
+
+        return super().optimizer_step(optimizer, step_closure, model, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -155,7 +155,9 @@ class MoE(nn.Module):
     Under activation checkpointing (``save_routing``, set by
     :func:`kempnerforge.parallel.activation_checkpoint.apply_ac`) the recomputation reuses the expert
     indices chosen by the original forward, so a bias update or a kernel's non-determinism between
-    forward and backward cannot change the routing.
+    forward and backward cannot change the routing. The choices wait in a first-in first-out queue of
+    ``saved_routing_depth`` forwards (1; a pipeline stage runs up to all its micro-batches' forwards before
+    their backwards, in the same order, and sets it to the micro-batch count + 1).
 
     After each forward, :attr:`aux_loss` holds the weighted sum of the enabled auxiliary losses
     (differentiable, scalar fp32; 0 when all weights are 0) and :attr:`stats` the detached
@@ -188,7 +190,8 @@ class MoE(nn.Module):
         # Set by apply_ac on checkpointed blocks: the forward keeps its expert choice so the
         # recomputation in backward routes exactly the same tokens (not in the state dict).
         self.save_routing = False
-        self._saved_indices: torch.Tensor | None = None
+        self.saved_routing_depth = 1
+        self._saved_indices: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route, run the experts, combine (see class docstring)."""
@@ -197,7 +200,8 @@ class MoE(nn.Module):
         route = self.router(tokens, self._routing_for_recompute())
         # torch._C._current_graph_task_id: -1 outside a backward; torch has no public way to tell (checkpoint uses it).
         if self.save_routing and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
-            self._saved_indices = route.indices.detach()  # one slot: the next backward's recompute uses it
+            # The oldest forward's choice is recomputed first; beyond the depth the oldest is dropped.
+            self._saved_indices = [*self._saved_indices, route.indices.detach()][-self.saved_routing_depth :]
         flat_experts = route.indices.reshape(-1)  # (tokens * top_k,), assignment a = token * k + slot
         # scatter_add, not bincount: bincount's output size depends on the data (a host sync on CUDA).
         counts = torch.zeros(self.config.num_experts, dtype=torch.long, device=x.device)
@@ -229,13 +233,18 @@ class MoE(nn.Module):
         self._record(route, counts, dropped, batch)
         return out.view(batch, seq, dim)
 
+    def discard_saved_routing(self) -> None:
+        """Forget the newest saved expert choice: its forward's backward will not recompute it (the
+        pipeline schedule's shape-inference pass); a no-op without activation checkpointing."""
+        if self._saved_indices:
+            self._saved_indices.pop()
+
     def _routing_for_recompute(self) -> torch.Tensor | None:
         """The expert choice saved by the original forward when this forward is an activation-checkpointing
         recomputation (it runs inside a backward graph task), else None (route afresh)."""
         if not self.save_routing or torch._C._current_graph_task_id() == -1:
             return None
-        indices, self._saved_indices = self._saved_indices, None
-        return indices
+        return self._saved_indices.pop(0) if self._saved_indices else None
 
     def _apply_capacity(
         self, order: torch.Tensor, flat_experts: torch.Tensor, counts: torch.Tensor

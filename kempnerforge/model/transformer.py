@@ -89,7 +89,9 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """With ``config.tie_embeddings``, make ``output.weight`` the same Parameter as
         ``tok_embeddings.weight``. Call after ``to_empty`` (materialization can untie them);
-        a no-op when untied or already tied."""
+        a no-op when untied or already tied, or on a pipeline stage holding only one of the two."""
+        if self.output is None or self.tok_embeddings is None:
+            return
         if self.config.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 

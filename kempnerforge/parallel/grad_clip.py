@@ -111,6 +111,7 @@ def clip_grad_norm_(
     max_norm: float,
     grad_scale: torch.Tensor | float = 1.0,
     pp_group: dist.ProcessGroup | None = None,
+    norm_skip: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale gradients by ``grad_scale``, then clip them to global L2 norm ``max_norm`` (0: no clipping).
 
@@ -124,6 +125,8 @@ def clip_grad_norm_(
         max_norm: clip threshold on the scaled norm; 0 scales only.
         grad_scale: factor applied to every gradient before the norm is measured (a number or a scalar tensor).
         pp_group: the pipeline group when ``pp > 1`` (the norm covers every stage; see :func:`total_grad_norm`).
+        norm_skip: parameters scaled and clipped but left out of the norm: a second copy of one logical
+            weight (the last pipeline stage's tied embedding, counted on the first stage).
 
     Returns:
         The global norm of the scaled gradients before clipping (fp32 scalar tensor).
@@ -132,7 +135,8 @@ def clip_grad_norm_(
     if not params and pp_group is None:
         return torch.tensor(0.0)
     scaled = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
-    norm = total_grad_norm(params, pp_group=pp_group)
+    skip = {id(p) for p in norm_skip}
+    norm = total_grad_norm([p for p in params if id(p) not in skip], pp_group=pp_group)
     if scaled:
         norm = norm * grad_scale
     if max_norm > 0:

@@ -1,4 +1,5 @@
-"""Pipeline parallelism for the dense decoder: option checks, stage split, per-rank pruning, schedules.
+"""Pipeline parallelism for the decoder (dense or MoE, tied or not): option checks, stage split, per-rank
+pruning, schedules.
 
 Follows torchtitan v0.2 (``distributed/pipeline_parallel.py`` and the Llama ``pipeline_llama``):
 the ``n_layers`` blocks are cut into ``pp * virtual_stages`` stages (balanced by layer count or at
@@ -99,13 +100,24 @@ def validate_pipeline_model(
     num_experts: int,
     tie_embeddings: bool,
     is_vlm: bool,
+    ep: int = 1,
+    schedule: str = "1f1b",
+    tp: int = 1,
 ) -> None:
     """Check the pipeline against the model, before anything is allocated (no-op for ``pp=1``).
 
+    MoE models pipeline (each stage's auxiliary losses enter the backward at that stage, its routers
+    balance by their own load; :mod:`kempnerforge.parallel.pipeline_aux`), and so do tied embeddings
+    (the last stage holds a copy of the embedding weight for its head, reduced with the first stage's;
+    :mod:`kempnerforge.parallel.pipeline_tied`).
+
     Raises:
-        MeshConfigError: more stages than layers, a split point at or past ``n_layers``, an MoE model
-            (``num_experts > 0``), tied embeddings (embedding and head would sit on different stages),
-            or a vision-language model.
+        MeshConfigError: more stages than layers, a split point at or past ``n_layers``, ``ep > 1``
+            (expert parallelism inside stages is not proven on a pipeline yet), tied embeddings with a
+            V-shaped schedule (``zbv`` puts the first and last stage on one rank as two FSDP2 roots,
+            which cannot share one parameter), tied embeddings with ``tp > 1`` (the tensor-parallel copy of
+            the tied weight on the last stage desynchronizes the stages' collectives: a gloo size mismatch),
+            or a vision-language model (see :data:`VLM_REFUSAL`).
     """
     if pp == 1:
         return
@@ -117,18 +129,35 @@ def validate_pipeline_model(
         )
     if split_points is not None and max(split_points) >= n_layers:
         raise MeshConfigError(f"pp_split_points={list(split_points)} must be < n_layers={n_layers}.")
-    if num_experts > 0:
+    if num_experts > 0 and ep > 1:
         raise MeshConfigError(
-            f"pp={pp} with num_experts={num_experts} is not supported: pipeline parallelism covers dense "
-            "models only; use pp=1 (and ep for MoE)."
+            f"ep={ep} with pp={pp} is not supported: expert parallelism inside pipeline stages has no parity "
+            "proof yet (its all-to-alls would run inside the schedule's shape inference too); use ep=1 with pp > 1, "
+            "or pp=1 with ep."
         )
-    if tie_embeddings:
+    if tie_embeddings and schedule in V_SHAPED:
         raise MeshConfigError(
-            f"pp={pp} with tie_embeddings=true is not supported: the embedding (first stage) and the output "
-            "head (last stage) would share one weight across stages; set model.config.tie_embeddings=false."
+            f"pp_schedule={schedule!r} with tie_embeddings=true is not supported: the V placement puts the first "
+            "and the last stage on one rank as two FSDP2 roots, which cannot share the tied weight; use "
+            "1f1b, gpipe, interleaved_1f1b or zero_bubble, or set model.config.tie_embeddings=false."
+        )
+    if tie_embeddings and tp > 1:
+        raise MeshConfigError(
+            f"tp={tp} with pp={pp} and tie_embeddings=true is not supported: the last stage's tensor-parallel copy "
+            "of the tied weight does not line up with the first stage's collectives yet; use tp=1 (dp_shard "
+            "works) or set model.config.tie_embeddings=false."
         )
     if is_vlm:
-        raise MeshConfigError(f"pp={pp} is not supported for vision-language models; use pp=1.")
+        raise MeshConfigError(f"pp={pp}: {VLM_REFUSAL}")
+
+
+#: Why vision-language models do not pipeline (the message of :func:`validate_pipeline_model`).
+VLM_REFUSAL = (
+    "vision-language models are not supported with pp > 1; use pp=1 (with dp_shard / tp). joint_decoder "
+    "(vlm_jd) and mot / moma pass per-sequence masks and modality routing next to the hidden states, which "
+    "the pipeline's single-tensor stage boundary does not carry; cross_attention needs the image features "
+    "at every stage's cross-attention layers."
+)
 
 
 def is_vision_language(module: object) -> bool:
@@ -151,6 +180,8 @@ def validate_pipeline_run(
     microbatches: int | None,
     virtual_stages: int,
     split_points: Sequence[int] | None,
+    ep: int = 1,
+    tp: int = 1,
 ) -> None:
     """The pp rules that need the LightningModule and the datamodule (no-op for ``pp=1``).
 
@@ -164,6 +195,8 @@ def validate_pipeline_run(
     """
     if pp == 1:
         return
+    if is_vision_language(module):
+        raise MeshConfigError(f"pp={pp}: {VLM_REFUSAL}")
     cfg = module.config
     validate_pipeline_model(
         pp,
@@ -173,6 +206,9 @@ def validate_pipeline_run(
         num_experts=cfg.num_experts,
         tie_embeddings=cfg.tie_embeddings,
         is_vlm=is_vision_language(module),
+        ep=ep,
+        schedule=schedule,
+        tp=tp,
     )
     for field, value in (
         ("model.loss_chunk_size", getattr(module, "loss_chunk_size", 0)),
@@ -247,13 +283,17 @@ def prune_to_stages(model: nn.Module, ranges: list[range], ids: list[int]) -> No
 
     ``model`` (on the meta device, before any transform) keeps its blocks ``layers.{i}`` of those
     stages under their original names, ``tok_embeddings`` only with stage 0, and ``norm`` + ``output``
-    only with the last stage; the others become None. FQNs are unchanged, so state dicts of all ranks
-    together are the full model's.
+    only with the last stage; the others become None. A tied head keeps ``tok_embeddings`` on the last
+    stage too (its weight is the head's, under the embedding's canonical FQN: same init, same optimizer
+    rule, one key in checkpoints). FQNs are unchanged, so state dicts of all ranks together are the full
+    model's.
     """
     keep = {str(i) for s in ids for i in ranges[s]}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
-    if 0 not in ids:
+    last = len(ranges) - 1 in ids
+    tied = model.output is not None and model.output.weight is model.tok_embeddings.weight
+    if 0 not in ids and not (tied and last):
         model.tok_embeddings = None
     if len(ranges) - 1 not in ids:
         model.norm = None

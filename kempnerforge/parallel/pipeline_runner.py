@@ -28,7 +28,9 @@ from kempnerforge.parallel.pipeline import (
     stage_ids,
     stage_layer_ranges,
 )
+from kempnerforge.parallel.pipeline_aux import StageAuxLosses
 from kempnerforge.parallel.pipeline_stage import DecoderStage
+from kempnerforge.parallel.pipeline_tied import reduce_tied_grads
 from kempnerforge.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
 
@@ -68,6 +70,11 @@ class PipelineRunner:
         self._sums: list[torch.Tensor] = []
         self._scale: torch.Tensor | float = 1.0
         self._grads: list[torch.Tensor | None] = []
+        self._aux: StageAuxLosses | None = None  # MoE models: set at the first training step
+        self._shape_inference = True  # the schedule infers shapes at its first step and after each eval pass
+        #: With tied embeddings: the first/last-stage group (None on middle pp ranks, or untied).
+        self.tied_group: dist.ProcessGroup | None = None
+        self._tied_pending = False
 
     @property
     def has_first(self) -> bool:
@@ -78,6 +85,26 @@ class PipelineRunner:
     def has_last(self) -> bool:
         """This rank holds the last stage (computes the loss)."""
         return self.n_stages - 1 in self.ids
+
+    def tied_weight(self, model: nn.Module) -> torch.Tensor | None:
+        """This rank's copy of a tied embedding weight (first or last stage), else None."""
+        if self.tied_group is None or model.tok_embeddings is None:
+            return None
+        return model.tok_embeddings.weight
+
+    def norm_skip(self, model: nn.Module) -> list[torch.Tensor]:
+        """Parameters the gradient norm must not count on this rank: the last stage's copy of a tied
+        embedding (the first stage counts the one logical weight)."""
+        weight = self.tied_weight(model)
+        return [weight] if weight is not None and not self.has_first else []
+
+    def finish_step_gradients(self, model: nn.Module) -> None:
+        """Once per optimizer step, after the last backward: sum the tied embedding's gradients of the first
+        and last stage (:func:`~kempnerforge.parallel.pipeline_tied.reduce_tied_grads`); a no-op otherwise."""
+        weight = self.tied_weight(model)
+        if weight is not None and self._tied_pending:
+            reduce_tied_grads(weight, self.tied_group)
+        self._tied_pending = False
 
     def prune(self, model: nn.Module) -> None:
         """Drop every module of ``model`` (meta) that this rank's stages do not hold.
@@ -97,6 +124,11 @@ class PipelineRunner:
         self.stage_modules = [
             DecoderStage(model, self.ranges[s], first=s == 0, last=s == self.n_stages - 1) for s in self.ids
         ]
+        for stage in self.stage_modules:
+            for layer in stage.moe_layers().values():
+                # Activation checkpointing: every micro-batch's forward (and the shape inference's) may run
+                # before the first backward recomputes; the recomputations come in forward order.
+                layer.saved_routing_depth = self.microbatches + 1
         return self.stage_modules
 
     def materialize(self, model: nn.Module, device: torch.device, seed: int) -> None:
@@ -117,6 +149,8 @@ class PipelineRunner:
                     new = torch.empty_like(t, device=device)
                     # setattr on a registered name replaces it in place (a buffer keeps its persistence).
                     setattr(module, name, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
+        if model.tok_embeddings is not None and model.output is not None:
+            model.tie_weights()  # materialization unties a shared parameter (a no-op when untied)
         with torch.no_grad():
             model.init_weights(seed=seed)
 
@@ -134,18 +168,21 @@ class PipelineRunner:
         self._sums.append(loss_sum.detach())
         return loss_sum * self._scale
 
-    def _reduced_sum(self, device: torch.device) -> torch.Tensor:
-        """This step's summed token loss from the last stage, the same on every pp rank (fp32 scalar)."""
+    def _reduced_sum(self, device: torch.device, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """This step's summed token loss from the last stage, the same on every pp rank (fp32 scalar); with
+        ``extra`` (a per-rank fp32 scalar, e.g. the stages' aux losses) the pair ``(loss, sum of extra)``,
+        reduced in the same all-reduce."""
         # The first step's shape inference calls the loss once more on its own: keep the micro-batches' losses.
         sums = self._sums[-self.microbatches :]
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=device)
         self._sums = []
-        dist.all_reduce(total, group=self.pp_mesh.get_group())  # other ranks add exact zeros
-        return total
+        both = total if extra is None else torch.stack([total, extra.float()])
+        dist.all_reduce(both, group=self.pp_mesh.get_group())  # other ranks add exact zeros
+        return both if extra is None else (both[0], both[1])
 
     def train_step(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: torch.Tensor | float
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: torch.Tensor | float, with_aux: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of every micro-batch through the schedule.
 
         Args:
@@ -156,13 +193,21 @@ class PipelineRunner:
                 accumulate_grad_batches`` (the gradients are normalized after the step's last batch by
                 :class:`kempnerforge.training.loss.StepTokenNormalizer`).
 
+            with_aux: also return the MoE aux losses of every stage and micro-batch (summed; 0 for a
+                dense model).
+
         Returns:
             The summed (un-normalized) token loss of the whole batch (fp32 scalar, detached), the same
-            on every pp rank.
+            on every pp rank; with ``with_aux`` the pair ``(loss_sum, aux_sum)``.
         """
         self._scale = loss_scale
         self._run(self.schedule.step, input_ids, labels)
-        return self._reduced_sum(input_ids.device)
+        self._shape_inference = False
+        aux = torch.zeros((), device=input_ids.device)
+        if self._aux is not None and self._aux.active:
+            aux = self._aux.finish(len(self.stage_modules)).to(aux.device)
+        loss_sum, aux = self._reduced_sum(input_ids.device, aux)
+        return (loss_sum, aux) if with_aux else loss_sum
 
     def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """``CausalLM.training_step`` for a pipeline: the schedule's forward + backward, then the module's
@@ -180,12 +225,31 @@ class PipelineRunner:
         if batch_idx % accumulate == 0:  # a new optimizer step
             for p in params:
                 p.grad = None
-        n_targets = (batch["labels"] != IGNORE_INDEX).sum()
-        loss_sum = self.train_step(batch["input_ids"], batch["labels"], _loss_scale(module, n_targets, accumulate))
+        labels = batch["labels"]
+        n_targets = (labels != IGNORE_INDEX).sum()
+        scale = _loss_scale(module, n_targets, accumulate)
+        if module.config.num_experts > 0:
+            self._start_moe(module, labels, scale, new_step=batch_idx % accumulate == 0)
+        loss_sum, aux = self.train_step(batch["input_ids"], labels, scale, with_aux=True)
+        self._tied_pending = self.tied_group is not None
         self._grads = [p.grad for p in params]
         for p in params:
             p.grad = None
-        return module._record_step(batch, batch_idx, loss_sum, n_targets)
+        if self._aux is not None:
+            module.log("train/moe_aux_loss", aux / self.microbatches, rank_zero_only=True)
+        # The stages' MoE aux losses already ran in the schedule's backward (pipeline_aux).
+        return module._record_step(batch, batch_idx, loss_sum, n_targets, moe_aux_in_backward=True)
+
+    def _start_moe(self, module: Any, labels: torch.Tensor, scale: torch.Tensor | float, new_step: bool) -> None:
+        """Hook the stages' MoE bookkeeping for one step: micro-batch ``m``'s aux loss gets the gradient
+        ``n_targets(m) * scale``, as ``CausalLM._add_moe_aux_loss`` gives it without pipelining."""
+        if self._aux is None:
+            self._aux = StageAuxLosses(module._moe)
+            for stage in self.stage_modules:
+                stage.after_blocks = self._aux.after_blocks
+        # The schedule splits the batch into equal micro-batches along dim 0 (validate_microbatches).
+        per_micro = (labels != IGNORE_INDEX).reshape(self.microbatches, -1).sum(1).float()
+        self._aux.start(per_micro * scale, new_step, self._shape_inference)
 
     def restore_grads(self, model: nn.Module) -> None:
         """Give ``model``'s parameters back the gradients :meth:`training_step` set aside."""
@@ -197,6 +261,7 @@ class PipelineRunner:
         """Forward only; returns ``(loss_sum, n_targets)`` of the batch (fp32 / int64 scalars, every pp rank)."""
         with torch.no_grad():
             self._run(self.schedule.eval, input_ids, labels)
+        self._shape_inference = True  # the next training step re-runs the schedule's metadata inference
         return self._reduced_sum(input_ids.device), (labels != IGNORE_INDEX).sum()
 
     def _run(self, fn, input_ids: torch.Tensor, labels: torch.Tensor) -> None:

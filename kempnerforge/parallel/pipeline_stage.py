@@ -8,10 +8,14 @@ every model part separately).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from kempnerforge.model.init import canonical_fqn
 from kempnerforge.model.rope import pack_rope
+from kempnerforge.parallel.contract import is_moe_layer
 
 
 class DecoderStage(nn.Module):
@@ -22,7 +26,12 @@ class DecoderStage(nn.Module):
             its RoPE buffers are read at every forward (not registered here, so not duplicated).
         layer_ids: block indices of this stage (keys ``str(i)`` of ``model.layers``).
         first: holds ``tok_embeddings`` (input: token ids).
-        last: holds ``norm`` and ``output`` (output: logits).
+        last: holds ``norm`` and ``output`` (output: logits); with a tied head also ``tok_embeddings``
+            (the head's weight, not looked up here), so FSDP2 shards the shared weight as one unit.
+
+    :attr:`after_blocks` (set by :class:`~kempnerforge.parallel.pipeline_runner.PipelineRunner` for MoE
+    models) runs on the hidden states after the stage's last block: it puts the stage's MoE auxiliary
+    losses into the backward (:mod:`kempnerforge.parallel.pipeline_aux`).
 
     Shapes: forward(x) with x ``(batch, seq)`` int64 token ids on the first stage, else the hidden
     states ``(batch, seq, dim)``; returns logits ``(batch, seq, vocab_size)`` on the last stage,
@@ -31,20 +40,29 @@ class DecoderStage(nn.Module):
 
     def __init__(self, model: nn.Module, layer_ids: range, first: bool, last: bool) -> None:
         super().__init__()
-        self.tok_embeddings = model.tok_embeddings if first else None
+        self.first = first
+        tied = last and model.tok_embeddings is not None and model.output.weight is model.tok_embeddings.weight
+        self.tok_embeddings = model.tok_embeddings if first or tied else None
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
         self._owner = (model,)  # a tuple: not registered as a submodule (no second copy in state dicts)
+        self.after_blocks: Callable[[DecoderStage, torch.Tensor], torch.Tensor] | None = None
+
+    def moe_layers(self) -> dict[str, nn.Module]:
+        """This stage's MoE layers by canonical FQN (``layers.1.moe``), found through any wrapper."""
+        return {canonical_fqn(n): m for n, m in self.named_modules() if is_moe_layer(m)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run embedding (first stage), this stage's blocks, then norm + head (last stage)."""
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        h = self.tok_embeddings(x) if self.first else x
         model = self._owner[0]
         seq = h.shape[1]
         rope = pack_rope(model.rope_cos[:seq], model.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
         for layer in self.layers.values():
             h = layer(h, rope)
+        if self.after_blocks is not None:
+            h = self.after_blocks(self, h)
         if self.output is None:
             return h
         return self.output(self.norm(h))

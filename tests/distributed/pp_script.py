@@ -2,7 +2,8 @@
 
 ``--runs`` lists runs as ``name:key=value,...`` (keys: pp, schedule, v, mb, steps, ckpt_every, resume,
 micro_batch, dp_shard, val_batches, ac, tp, sp, acc = accumulate_grad_batches, opt = optimizer name, fused /
-foreach = 1 for those AdamW kernels, spy = 1 to record the largest DTensor gathered during validation). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
+foreach = 1 for those AdamW kernels, spy = 1 to record the largest DTensor gathered during validation, moe = 1 for
+the MoE decoder (:func:`moe_config`), tie = 1 for tied embeddings). Each run is one ``Trainer.fit`` of the 4-layer tiny decoder under ``torchrun``; rank 0
 writes ``{name: {"losses": [...], "grad_norms": [...], "steps": [...]}}`` to ``--out``. Checkpoints go
 to ``<--ckpt-root>/<name>``; ``resume=<other name>/<checkpoint dir>`` resumes from another run's save.
 """
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 from tests.distributed.train_script import Recorder, tiny_config  # noqa: E402
 
 INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches", "tp", "sp", "acc",
-            "fused", "foreach", "spy")  # fmt: skip
+            "fused", "foreach", "spy", "moe", "tie")  # fmt: skip
 LR = {"adamw": 3e-3, "muon": 3e-3, "lion": 1e-3, "schedule_free_adamw": 3e-3}
 
 
@@ -71,6 +72,15 @@ class StepRecorder(Recorder):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
+def moe_config(tie: bool = False):
+    """The 4-layer MoE decoder of the pipeline tests: ``tiny_config(moe=True)`` (sigmoid router with bias
+    balancing, a shared expert, sequence-wise aux and z losses) with every other block dense
+    (``moe_frequency=2``: each stage holds one MoE and one dense block), and aux weights large enough that
+    an aux loss missing from a stage's backward moves the gradient norm far beyond the 1e-5 tolerance."""
+    cfg = tiny_config(moe=True, num_experts=4, tie=tie)
+    return dataclasses.replace(cfg, n_layers=4, moe_frequency=2, seq_aux_loss_weight=0.5, z_loss_weight=0.05)
+
+
 def parse_run(spec: str) -> tuple[str, dict]:
     """``"a:pp=2,schedule=gpipe"`` -> ``("a", {"pp": 2, "schedule": "gpipe"})``."""
     name, _, rest = spec.partition(":")
@@ -85,8 +95,10 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
     opt_name = opts.get("opt", "adamw")
     kernels = {k: True for k in ("fused", "foreach") if opts.get(k)}
     decay = "constant" if opt_name == "schedule_free_adamw" else "cosine"
+    tie = opts.get("tie", 0) == 1
+    config = moe_config(tie) if opts.get("moe") else dataclasses.replace(tiny_config(tie=tie), n_layers=4)
     module = CausalLM(
-        config=dataclasses.replace(tiny_config(), n_layers=4),
+        config=config,
         optimizer=OptimizerConfig(name=opt_name, lr=LR[opt_name], **kernels),
         scheduler=SchedulerConfig(warmup_steps=2, decay=decay, total_steps=20),
         grad_clip=float(opts.get("clip", 1.0)),

@@ -88,9 +88,10 @@ def test_pipeline_option_rules(kwargs, message):
         ({"pp": 4, "virtual_stages": 2}, r"pp\*pp_virtual_stages = 4\*2 = 8 stages exceeds n_layers=4"),
         ({"pp": 8}, r"8 stages exceeds n_layers=4"),
         ({"split_points": [4]}, r"pp_split_points=\[4\] must be < n_layers=4"),
-        ({"num_experts": 8}, r"pp=2 with num_experts=8 is not supported: pipeline parallelism covers dense"),
-        ({"tie_embeddings": True}, r"pp=2 with tie_embeddings=true is not supported"),
-        ({"is_vlm": True}, r"pp=2 is not supported for vision-language models"),
+        ({"num_experts": 8, "ep": 2}, r"ep=2 with pp=2 is not supported: expert parallelism inside pipeline"),
+        ({"tie_embeddings": True, "schedule": "zbv", "virtual_stages": 2}, r"'zbv' with tie_embeddings=true"),
+        ({"tie_embeddings": True, "tp": 2}, r"tp=2 with pp=2 and tie_embeddings=true is not supported"),
+        ({"is_vlm": True}, r"pp=2: vision-language models are not supported with pp > 1; use pp=1"),
     ],
 )
 def test_pipeline_model_rules(overrides, message):
@@ -118,6 +119,59 @@ def test_every_schedule_name_is_a_torch_class():
     assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv"}
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{"num_experts": 8}, {"tie_embeddings": True}, {"tie_embeddings": True, "schedule": "interleaved_1f1b"}],
+)
+def test_pipeline_accepts_moe_and_tied_embeddings(overrides):
+    """MoE (ep=1) and tied embeddings pipeline (proven against one process in test_pipeline_moe_tied.py)."""
+    args = {"n_layers": 4, "num_experts": 0, "tie_embeddings": False, "is_vlm": False, **overrides}
+    validate_pipeline_model(2, 2 if "schedule" in overrides else 1, None, **args)
+
+
+def test_tied_pruning_keeps_the_embedding_with_the_head_under_its_fqn():
+    """Tied: the last stage keeps ``tok_embeddings`` (its weight is the head's), so its state holds the
+    embedding's canonical key; chained stages still give the unsplit model's logits."""
+    cfg = dataclasses.replace(TINY, tie_embeddings=True)
+    full = Transformer(cfg)
+    full.init_weights(seed=3)
+    ranges = stage_layer_ranges(4, 2)
+    parts = []
+    for ids in ([0], [1]):
+        part = Transformer(cfg)
+        part.init_weights(seed=3)
+        prune_to_stages(part, ranges, ids)
+        parts.append(part)
+    assert parts[1].output.weight is parts[1].tok_embeddings.weight
+    assert [n for n, _ in parts[1].named_parameters() if "tok_" in n or "output" in n] == ["tok_embeddings.weight"]
+    torch.testing.assert_close(parts[1].tok_embeddings.weight, parts[0].tok_embeddings.weight, rtol=0, atol=0)
+    last = DecoderStage(parts[1], ranges[1], first=False, last=True)
+    assert last.tok_embeddings is parts[1].tok_embeddings  # one FSDP2 unit with the head
+    tokens = torch.randint(0, 64, (2, 8))
+    logits = last(DecoderStage(parts[0], ranges[0], first=True, last=False)(tokens))
+    torch.testing.assert_close(logits, full(tokens), rtol=0, atol=0)
+
+
+def test_aux_loss_to_backward_seeds_the_aux_gradient():
+    """The identity on h whose backward adds ``scale * d aux`` equals backpropagating ``f(h) + scale * aux``."""
+    from kempnerforge.parallel.pipeline_aux import AuxLossToBackward
+
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3)
+    scale = torch.tensor(2.5)
+
+    def parts():
+        h = x * w
+        return h, (w**2).sum()
+
+    h, aux = parts()
+    (AuxLossToBackward.apply(h, aux, scale).sin().sum()).backward()
+    got, w.grad = w.grad.clone(), None
+    h, aux = parts()
+    (h.sin().sum() + scale * aux).backward()
+    torch.testing.assert_close(got, w.grad, rtol=0, atol=1e-6)
+
+
 def test_vlm_detection():
     module = CausalLM(config=TINY)
     assert not is_vision_language(module)
@@ -133,8 +187,11 @@ def test_strategy_refuses_bad_pipeline_options_at_construction():
 @pytest.mark.parametrize(
     ("config", "strategy", "message"),
     [
-        (dataclasses.replace(TINY, tie_embeddings=True), {}, "tie_embeddings=true is not supported"),
-        (dataclasses.replace(TINY, num_experts=4), {}, "num_experts=4 is not supported"),
+        (
+            dataclasses.replace(TINY, tie_embeddings=True),
+            {"pp_schedule": "zbv", "pp_virtual_stages": 2},
+            "tie_embeddings=true is not supported",
+        ),
         (TINY, {"pp_microbatches": 3}, r"pp_microbatches=3 must divide data.micro_batch_size=4"),
     ],
 )
@@ -145,6 +202,14 @@ def test_strategy_validates_the_model_and_data_before_allocating(config, strateg
     data = TokenDataModule(data_dir=str(tmp_path), seq_len=8, micro_batch_size=4)
     with pytest.raises(MeshConfigError, match=message):
         strat.check_layout(2, strat._lightning_module, data)
+
+
+def test_strategy_refuses_pp_with_expert_parallelism(tmp_path):
+    strat = KempnerStrategy(pp=2, ep=2)
+    strat._lightning_module = CausalLM(config=dataclasses.replace(TINY, num_experts=4))
+    data = TokenDataModule(data_dir=str(tmp_path), seq_len=8, micro_batch_size=4)
+    with pytest.raises(MeshConfigError, match=r"ep=2 with pp=2 is not supported"):
+        strat.check_layout(4, strat._lightning_module, data)
 
 
 @pytest.mark.parametrize(
