@@ -144,19 +144,13 @@ class CausalLM(LightningModule):
 
         Raises:
             MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
-                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``tp > 1`` with MoE layers
-                (the TP plan covers dense feed-forwards only); ``loss_chunk_size > 0`` with ``tp > 1``.
+                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``loss_chunk_size > 0`` with ``tp > 1``.
             ValueError: ``ep > 1`` without MoE or ``num_experts`` not divisible by ``ep``
                 (:func:`kempnerforge.parallel.expert_parallel.validate_ep`).
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
         validate_ep(dims.ep, cfg.num_experts)
-        if dims.tp > 1 and cfg.num_experts > 0:
-            raise MeshConfigError(
-                f"tp={dims.tp} with num_experts={cfg.num_experts} is not supported: the tensor-parallel plan "
-                "covers dense feed-forwards only; use tp=1 for MoE models."
-            )
         if self.loss_chunk_size and dims.tp > 1:
             raise MeshConfigError(
                 f"model.loss_chunk_size={self.loss_chunk_size} needs tp=1 (got tp={dims.tp}): with tensor "
