@@ -95,7 +95,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
 def _ep_tp_mesh(ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The 2-D ``(ep, tp)`` mesh of expert weights under EP and TP (both 1-D meshes of one world mesh)."""
     if tp_mesh.ndim != 1:
-        raise ValueError(f"apply_ep: expert weights on a {tp_mesh.ndim}-D mesh {tp_mesh.mesh_dim_names}; expected 1-D tp.")
+        raise ValueError(
+            f"apply_ep: expert weights on a {tp_mesh.ndim}-D mesh {tp_mesh.mesh_dim_names}; expected 1-D tp."
+        )
     # No public way to join two sub-meshes of one root in torch 2.13; FSDP2 joins its mesh to ours the same way.
     return DeviceMesh._concatenate([ep_mesh, tp_mesh])
 
