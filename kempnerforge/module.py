@@ -502,8 +502,8 @@ class VisionLanguage(CausalLM):
 
         Raises:
             MeshConfigError: ``moma`` with ``num_experts > 0`` (MoMa's experts are its own modality
-                groups) or ``ep > 1``; ``tp`` not dividing ``cross_attn_n_kv_heads``; sequence
-                parallelism or FP8 (not supported for VLMs).
+                groups) or ``ep > 1``; ``tp > 1`` with MoE layers (proven for CausalLM only); ``tp`` not
+                dividing ``cross_attn_n_kv_heads``; sequence parallelism or FP8 (not supported for VLMs).
         """
         cfg, vlm = self.config, self.vlm_config
         if vlm.arch == "moma" and (cfg.num_experts > 0 or dims.ep > 1):
@@ -511,6 +511,11 @@ class VisionLanguage(CausalLM):
                 f"vlm.arch='moma' needs model.config.num_experts=0 and ep=1 (got num_experts={cfg.num_experts}, "
                 f"ep={dims.ep}): MoMa's experts are its per-modality groups (vlm.moma_experts_per_modality), "
                 "not the decoder's MoE layers, and they are not expert-parallel."
+            )
+        if cfg.num_experts > 0 and dims.tp > 1:
+            raise MeshConfigError(
+                f"tp={dims.tp} with model.config.num_experts={cfg.num_experts} is not supported for VisionLanguage "
+                "(MoE + tensor parallelism is built and proven for CausalLM only); use tp=1 or a dense backbone."
             )
         super().validate_parallel(dims)
         kv = vlm.cross_attn_n_kv_heads
