@@ -144,19 +144,13 @@ class CausalLM(LightningModule):
 
         Raises:
             MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
-                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``tp > 1`` with MoE layers
-                (the TP plan covers dense feed-forwards only); ``loss_chunk_size > 0`` with ``tp > 1``.
+                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``loss_chunk_size > 0`` with ``tp > 1``.
             ValueError: ``ep > 1`` without MoE or ``num_experts`` not divisible by ``ep``
                 (:func:`kempnerforge.parallel.expert_parallel.validate_ep`).
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
         validate_ep(dims.ep, cfg.num_experts)
-        if dims.tp > 1 and cfg.num_experts > 0:
-            raise MeshConfigError(
-                f"tp={dims.tp} with num_experts={cfg.num_experts} is not supported: the tensor-parallel plan "
-                "covers dense feed-forwards only; use tp=1 for MoE models."
-            )
         if self.loss_chunk_size and dims.tp > 1:
             raise MeshConfigError(
                 f"model.loss_chunk_size={self.loss_chunk_size} needs tp=1 (got tp={dims.tp}): with tensor "
@@ -516,8 +510,8 @@ class VisionLanguage(CausalLM):
 
         Raises:
             MeshConfigError: ``moma`` with ``num_experts > 0`` (MoMa's experts are its own modality
-                groups) or ``ep > 1``; ``tp`` not dividing ``cross_attn_n_kv_heads``; sequence
-                parallelism or FP8 (not supported for VLMs).
+                groups) or ``ep > 1``; ``tp > 1`` with MoE layers (proven for CausalLM only); ``tp`` not
+                dividing ``cross_attn_n_kv_heads``; sequence parallelism or FP8 (not supported for VLMs).
         """
         cfg, vlm = self.config, self.vlm_config
         if vlm.arch == "moma" and (cfg.num_experts > 0 or dims.ep > 1):
@@ -525,6 +519,11 @@ class VisionLanguage(CausalLM):
                 f"vlm.arch='moma' needs model.config.num_experts=0 and ep=1 (got num_experts={cfg.num_experts}, "
                 f"ep={dims.ep}): MoMa's experts are its per-modality groups (vlm.moma_experts_per_modality), "
                 "not the decoder's MoE layers, and they are not expert-parallel."
+            )
+        if cfg.num_experts > 0 and dims.tp > 1:
+            raise MeshConfigError(
+                f"tp={dims.tp} with model.config.num_experts={cfg.num_experts} is not supported for VisionLanguage "
+                "(MoE + tensor parallelism is built and proven for CausalLM only); use tp=1 or a dense backbone."
             )
         super().validate_parallel(dims)
         kv = vlm.cross_attn_n_kv_heads

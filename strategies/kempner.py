@@ -367,7 +367,7 @@ class KempnerStrategy(ModelParallelStrategy):
                 sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
             )
-        # EP after TP: shards the packed experts over the ep mesh (TP is refused for MoE models).
+        # EP after TP: splits the experts' dim 0 over the ep mesh (TP split their hidden channels: expert-TP).
         ep = self.parallel_mesh.dims.ep
         apply_ep(model, self.parallel_mesh.ep if ep > 1 else None)
         # FP8 after TP/EP, before AC/FSDP2: the filter must see raw Linears by FQN, and FSDP2 can only

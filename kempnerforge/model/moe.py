@@ -23,6 +23,7 @@ from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.router import Router, load_balancing_loss, sequence_balance_loss, z_loss
 from kempnerforge.parallel import ep_dispatch
 from kempnerforge.parallel.ep_dispatch import ScaleGrad, dispatch_combine
+from kempnerforge.parallel.expert_tensor_parallel import grad_all_reduce
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -94,6 +95,11 @@ class GroupedExperts(nn.Module):
     the weights are DTensors sharded on dim 0 over the ``ep`` mesh, and rows travel to the rank owning
     their expert and back (:func:`~kempnerforge.parallel.ep_dispatch.dispatch_combine`).
 
+    Under tensor parallelism (:class:`~kempnerforge.parallel.expert_tensor_parallel.ExpertTensorParallel` sets
+    ``tp_mesh``) each weight holds this rank's slice of every expert's hidden channels and the output is this
+    rank's partial sum (the MoE layer reduces it over TP); with both, the weights are DTensors on the 2-D
+    ``(ep, tp)`` mesh.
+
     Shapes: forward(x (rows, dim) sorted by expert, counts (num_experts,)) -> (rows, dim).
     """
 
@@ -103,6 +109,7 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = True
         self.ep_group = None
         self.ep_size = 1
+        self.tp_mesh = None
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -114,7 +121,7 @@ class GroupedExperts(nn.Module):
         return dispatch_combine(x, counts, self.ep_group, self.ep_size, self._local)
 
     def _weight(self, w: torch.Tensor) -> torch.Tensor:
-        if isinstance(w, DTensor):  # expert-parallel: this rank's experts only
+        if isinstance(w, DTensor):  # expert- / tensor-parallel: this rank's experts and hidden channels only
             return ScaleGrad.apply(w.to_local(), 1.0 / self.ep_size)
         return w
 
@@ -162,6 +169,10 @@ class MoE(nn.Module):
     After each forward, :attr:`aux_loss` holds the weighted sum of the enabled auxiliary losses
     (differentiable, scalar fp32; 0 when all weights are 0) and :attr:`stats` the detached
     :class:`MoEStats`. Neither is in the state dict.
+
+    Under tensor parallelism (``experts.tp_mesh`` set, :mod:`kempnerforge.parallel.expert_tensor_parallel`) the
+    input is replicated over TP, the router runs on every TP rank alike, and the output is a partial sum over TP
+    (the TP plan reduces it at the layer boundary).
 
     Shapes: forward(x (batch, seq, dim)) -> (batch, seq, dim).
     """
@@ -214,21 +225,25 @@ class MoE(nn.Module):
             dropped = (counts - kept_counts).sum().float()
         token_idx = order // self.config.top_k
         gate_w = route.weights.reshape(-1)[order].to(tokens.dtype)
+        tp, expert_in = self.experts.tp_mesh, tokens
+        if tp is not None:  # the experts' outputs are partial over TP: so are these two tensors' gradients
+            expert_in, gate_w = grad_all_reduce(tokens, tp), grad_all_reduce(gate_w, tp)
         if keep is None:
-            routed = self.experts(tokens[token_idx], kept_counts)
+            routed = self.experts(expert_in[token_idx], kept_counts)
         else:
             # Fixed shapes, no host sync: every assignment keeps its row; dropped ones sit after the kept
             # rows (beyond the experts' groups, so no expert computes them), read a zero row appended to
             # the tokens (whatever the grouped GEMM leaves in their output rows, and in their gradients,
             # never reaches a real token) and are masked out of the combine.
-            padded = torch.cat([tokens, tokens.new_zeros(1, dim)])
+            padded = torch.cat([expert_in, tokens.new_zeros(1, dim)])
             routed = self.experts(padded[torch.where(keep, token_idx, tokens.shape[0])], kept_counts)
             routed = torch.where(keep[:, None], routed, 0)
         out = torch.zeros_like(tokens).index_add_(0, token_idx, routed * gate_w[:, None].to(routed.dtype))
         if len(self.shared_experts):
             shared = sum(expert(tokens) for expert in self.shared_experts.values())
             if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
+                gate = torch.sigmoid(self.shared_gate(tokens))
+                shared = (gate if tp is None else grad_all_reduce(gate, tp)) * shared
             out = out + shared
         self._record(route, counts, dropped, batch)
         return out.view(batch, seq, dim)

@@ -9,24 +9,34 @@ The embedding is vocab-parallel (row-wise over the vocabulary) and the output he
 al., arXiv:2205.05198) shards the norms' activations along the sequence and turns each all-reduce
 into a reduce-scatter + all-gather pair.
 
+MoE blocks (Mixture-of-Experts feed-forward, :mod:`kempnerforge.model.moe`) get their own block plan: attention
+as above, the shared experts column/row-wise like the dense MLP, the router replicated, and the routed experts
+sharded by expert-TP along their hidden channels
+(:class:`~kempnerforge.parallel.expert_tensor_parallel.ExpertTensorParallel`, which documents the layout and why
+it was chosen over token-split EP-over-TP); the layer's partial output is reduced once at its boundary, as
+torchtitan's ``apply_moe_ep_tp`` does.
+
 Keys are module FQNs relative to the model (``root``) or to each block of ``model.layers``
-(``block``); :func:`kempnerforge.parallel.tensor_parallel.apply_tp` checks that every key matches.
+(``block``, or ``moe_block`` for blocks with an MoE layer); :func:`kempnerforge.parallel.tensor_parallel.apply_tp`
+checks that every key matches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.parallel.expert_tensor_parallel import ExpertTensorParallel
 
 
 @dataclass
@@ -36,10 +46,13 @@ class TPPlan:
     Attributes:
         root: FQN (relative to the model) -> style, e.g. ``{"tok_embeddings": RowwiseParallel(...)}``.
         block: FQN (relative to each block of ``model.layers``) -> style, e.g. ``{"attention.wq": ...}``.
+        moe_block: the plan of the blocks that hold an MoE layer (used instead of ``block`` there); empty for a
+            dense model.
     """
 
     root: dict[str, ParallelStyle] = field(default_factory=dict)
     block: dict[str, ParallelStyle] = field(default_factory=dict)
+    moe_block: dict[str, ParallelStyle] = field(default_factory=dict)
 
 
 def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
@@ -60,6 +73,8 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
     - ``output``: ``ColwiseParallel``; with ``loss_parallel`` the logits stay a DTensor
       ``Shard(-1)`` over vocab (``(batch, seq, vocab / tp)`` local) for vocab-parallel
       cross-entropy, otherwise they are all-gathered into a plain ``(batch, seq, vocab)`` tensor.
+
+    MoE blocks (``config.num_experts > 0``): ``moe_block`` (:func:`moe_block_tp_plan`).
 
     A tied embedding/head works: both styles shard the one ``(vocab, dim)`` matrix as ``Shard(0)``,
     and :func:`~kempnerforge.parallel.tensor_parallel.apply_tp` re-ties them afterwards.
@@ -103,4 +118,48 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
     if config.qk_norm:
         block["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         block["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    return TPPlan(root=root, block=block)
+    moe_block = moe_block_tp_plan(config, block, sequence_parallel=sp) if config.num_experts > 0 else {}
+    return TPPlan(root=root, block=block, moe_block=moe_block)
+
+
+def moe_block_tp_plan(
+    config: ModelConfig, dense_block: dict[str, ParallelStyle], *, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The TP plan of a block whose feed-forward is :class:`~kempnerforge.model.moe.MoE` (module ``moe``).
+
+    - Everything of ``dense_block`` except its ``feed_forward`` entries (attention, norms).
+    - ``moe``: ``PrepareModuleInputOutput``: the input ``(batch, seq, dim)`` is made replicated (all-gathered along
+      ``seq`` with sequence parallel) and handed in as a plain tensor; the output, a partial sum over TP, is
+      all-reduced (reduce-scattered along ``seq`` with sequence parallel) back into the residual stream's layout.
+      One reduction per MoE layer forward, like the dense feed-forward.
+    - ``moe.experts``: :class:`~kempnerforge.parallel.expert_tensor_parallel.ExpertTensorParallel` (each expert's
+      hidden channels split over TP; the tokens and their routing replicated).
+    - ``moe.shared_experts.{i}.w1/w3``: ``ColwiseParallel``; ``w2``: ``RowwiseParallel`` with a ``Partial`` output,
+      summed with the routed experts' partial output before the one reduction.
+    - ``moe.router`` and ``moe.shared_gate``: no entry: replicated plain parameters computed on every TP rank
+      (their gradients come out whole, see :mod:`kempnerforge.parallel.expert_tensor_parallel`).
+
+    Args:
+        config: the model's config (reads ``n_shared_experts``).
+        dense_block: the dense block plan of :func:`dense_decoder_tp_plan`.
+        sequence_parallel: the residual stream is sharded along ``seq`` (``Shard(1)``).
+
+    Returns:
+        FQN (relative to the block) -> style.
+    """
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan = {k: v for k, v in dense_block.items() if not k.startswith("feed_forward")}
+    plan["moe"] = PrepareModuleInputOutput(
+        input_layouts=(residual,),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Partial(),),
+        desired_output_layouts=(residual,),
+        use_local_output=True,
+    )
+    plan["moe.experts"] = ExpertTensorParallel()
+    for i in range(config.n_shared_experts):
+        plan[f"moe.shared_experts.{i}.w1"] = ColwiseParallel()
+        plan[f"moe.shared_experts.{i}.w2"] = RowwiseParallel(output_layouts=Partial())
+        plan[f"moe.shared_experts.{i}.w3"] = ColwiseParallel()
+    return plan

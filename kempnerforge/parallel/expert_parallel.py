@@ -7,9 +7,14 @@ MoE layer sends each token to the rank owning its expert with ``all_to_all_singl
 weights are then FSDP2-sharded over the remaining ``dp_shard / ep`` ranks
 (:func:`kempnerforge.parallel.fsdp.apply_fsdp` with ``expert_mesh``).
 
+With tensor parallelism too, TP has already split every expert's hidden channels over ``tp`` (expert-TP,
+:mod:`kempnerforge.parallel.expert_tensor_parallel`); EP then splits dim 0 of those shards, and the weights
+become DTensors on the 2-D ``(ep, tp)`` mesh, ``(Shard(0), Shard(1))`` for ``w1`` / ``w3`` and
+``(Shard(0), Shard(2))`` for ``w2``. The tokens of each TP rank are dispatched inside its own EP group.
+
 Its place in the chain is fixed (TP -> **EP** -> FP8 -> AC -> compile -> FSDP2, see
-:mod:`kempnerforge.parallel.order`): after TP, whose plan leaves MoE MLPs alone, and before FP8, whose
-filter must still see the expert Linears by FQN to skip them.
+:mod:`kempnerforge.parallel.order`): after TP, which shards the experts' hidden channels and leaves dim 0
+whole, and before FP8, whose filter must still see the expert Linears by FQN to skip them.
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
     With ``ep_mesh`` of size 1 (or None) the experts stay whole on every rank and the step only
     records its place in the chain. Otherwise each MoE layer's ``experts.w1/w2/w3`` (num_experts, ...)
     become DTensors ``Shard(0)`` over ``ep_mesh`` (meta stays meta; ``init_weights`` later generates
-    only this rank's experts, element by element from the sharding-invariant counter-based init), and ``experts.ep_group`` is set so the
-    forward dispatches tokens with all-to-all.
+    only this rank's experts, element by element from the sharding-invariant counter-based init), and
+    ``experts.ep_group`` is set so the forward dispatches tokens with all-to-all. Weights TP has sharded
+    (DTensors on the 1-D ``tp`` mesh) become DTensors on the 2-D ``(ep, tp)`` mesh with ``Shard(0)``
+    prepended to their TP placement.
 
     Args:
         model: the model (meta or materialized), after TP.
@@ -72,12 +79,28 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
         validate_ep(ep, experts.num_experts)
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)
+            mesh, placements, shard = ep_mesh, [Shard(0)], full.detach()
+            if isinstance(full, DTensor):  # expert-TP (tp > 1): split dim 0 of this rank's TP shard
+                mesh = _ep_tp_mesh(ep_mesh, full.device_mesh)
+                placements, shard = [Shard(0), *full.placements], full.to_local().detach()
             rank = ep_mesh.get_local_rank()
-            local = full.detach().chunk(ep, dim=0)[rank] if not full.is_meta else _meta_chunk(full, ep)
-            dt = DTensor.from_local(local.contiguous(), ep_mesh, [Shard(0)], run_check=False)
+            local = shard.chunk(ep, dim=0)[rank] if not shard.is_meta else _meta_chunk(shard, ep)
+            dt = DTensor.from_local(
+                local.contiguous(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+            )
             setattr(experts, name, nn.Parameter(dt, requires_grad=full.requires_grad))
         experts.ep_group = ep_mesh.get_group()
         experts.ep_size = ep
+
+
+def _ep_tp_mesh(ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D ``(ep, tp)`` mesh of expert weights under EP and TP (both 1-D meshes of one world mesh)."""
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"apply_ep: expert weights on a {tp_mesh.ndim}-D mesh {tp_mesh.mesh_dim_names}; expected 1-D tp."
+        )
+    # No public way to join two sub-meshes of one root in torch 2.13; FSDP2 joins its mesh to ours the same way.
+    return DeviceMesh._concatenate([ep_mesh, tp_mesh])
 
 
 def _meta_chunk(full: torch.Tensor, ep: int) -> torch.Tensor:

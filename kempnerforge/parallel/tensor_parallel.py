@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from kempnerforge.parallel.contract import DeclaresTPPlan, TiesWeights
+from kempnerforge.parallel.contract import DeclaresTPPlan, TiesWeights, is_moe_layer
 from kempnerforge.parallel.mesh import MeshConfigError
 from kempnerforge.parallel.order import record_step
 
@@ -92,12 +92,17 @@ def unmatched_plan_entries(module: nn.Module, plan: dict[str, ParallelStyle]) ->
     return [key for key in plan if key and not _resolve(module, key)]
 
 
+def _has_moe(block: nn.Module) -> bool:
+    return any(is_moe_layer(m) for m in block.modules())
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Shard ``model`` over ``tp_mesh`` in place with the plan the model declares.
 
     ``model.tp_plan(sequence_parallel=..., loss_parallel=...)`` returns a
-    :class:`~kempnerforge.model.tp_plan.TPPlan`: ``root`` is applied to ``model`` and ``block`` to
-    every block of ``model.layers``. Parameters become DTensors on ``tp_mesh`` (meta tensors stay on
+    :class:`~kempnerforge.model.tp_plan.TPPlan`: ``root`` is applied to ``model``, ``block`` to every
+    block of ``model.layers`` and ``moe_block`` instead to the blocks that hold an MoE layer (router
+    replicated, routed experts expert-TP, :mod:`kempnerforge.parallel.expert_tensor_parallel`). Parameters become DTensors on ``tp_mesh`` (meta tensors stay on
     meta; the strategy materializes and initializes afterwards). A tied embedding/head is re-tied
     (``model.tie_weights()``), which is exact because both styles shard the ``(vocab, dim)`` matrix
     as ``Shard(0)``.
@@ -135,8 +140,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         raise ValueError(f"{type(model).__name__}.tp_plan() is empty: tensor parallelism would do nothing.")
     missing = [f"root:{k}" for k in unmatched_plan_entries(model, plan.root)]
     names = list(model.layers.keys()) if isinstance(model.layers, nn.ModuleDict) else range(len(blocks))
-    for name, block in zip(names, blocks, strict=True):
-        missing += [f"layers.{name}.{k}" for k in unmatched_plan_entries(block, plan.block)]
+    # An MoE block without a moe_block plan keeps the dense one, whose feed_forward keys then fail to match.
+    block_plans = [plan.moe_block if plan.moe_block and _has_moe(b) else plan.block for b in blocks]
+    for name, block, block_plan in zip(names, blocks, block_plans, strict=True):
+        missing += [f"layers.{name}.{k}" for k in unmatched_plan_entries(block, block_plan)]
     if missing:
         raise ValueError(
             f"Tensor-parallel plan entries matched no module: {missing}. The model would silently train "
@@ -144,7 +151,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
             "and FSDP2 wrap or rename modules)."
         )
     parallelize_module(model, tp_mesh, plan.root)
-    for block in blocks:
-        parallelize_module(block, tp_mesh, plan.block)
+    for block, block_plan in zip(blocks, block_plans, strict=True):
+        parallelize_module(block, tp_mesh, block_plan)
     if isinstance(model, TiesWeights):
         model.tie_weights()

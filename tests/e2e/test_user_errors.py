@@ -125,7 +125,6 @@ CASES = {
     "dp_shard": ("debug", ["--trainer.strategy.init_args.dp_shard=3"], ["dp_shard", "trainer.devices=1"]),
     "ep_dense": ("debug", ["--trainer.strategy.init_args.ep=2"], ["trainer.strategy.init_args.ep:"]),
     "tp_vs_kv_heads": ("debug", ["--trainer.devices=4", "--trainer.strategy.init_args.tp=4"], ["tp", "n_kv_heads"]),
-    "moe_tp": ("moe_debug", ["--trainer.devices=2", "--trainer.strategy.init_args.tp=2"], ["tp=2", "num_experts"]),
     "moe_ep": ("moe_debug", ["--trainer.devices=2", "--trainer.strategy.init_args.ep=3"], ["ep=3"]),
     "vlm_sequence_parallel": (
         "vlm_jd",

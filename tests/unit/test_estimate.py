@@ -139,6 +139,19 @@ def test_moe_capacity_runs_on_fake_tensors_without_fallback():
     assert role.grads_bytes == pytest.approx(role.params_bytes, rel=0.01)
 
 
+def test_moe_with_tp_and_ep_is_estimated_and_shards_every_parameter():
+    """MoE with tp=2 x ep=2 on 4 simulated ranks (dp_shard=2, expert-TP): accepted, nothing falls back, each rank
+    holds a quarter of the parameters (dense ones over tp x dp_shard, experts over (ep, tp)) and the MoE
+    layer's TP reduction shows up as a tp all-reduce next to the ep all-to-all."""
+    args = ["--config", str(REPO / "configs" / "moe_debug.yaml"), *SHORT, "--trainer.strategy.init_args.tp=2",
+            "--trainer.strategy.init_args.ep=2"]  # fmt: skip
+    est = estimate(args, 1, 4, alternatives=False)
+    (role,) = est.roles
+    assert role.fallbacks == []
+    assert role.params_bytes == pytest.approx(role.params_global_bytes / 4, rel=0.01)
+    assert role.comm["all_reduce[tp]"] > 0 and role.comm["all_to_all[ep]"] > 0
+
+
 def test_analytic_fallback_names_the_module_and_counts_it(monkeypatch):
     """An MoE layer that indexes by a data-dependent mask (as moe_debug's capacity did before it kept fixed
     shapes; no fake kernel can size it) is counted analytically, named, and the rest of the step runs."""

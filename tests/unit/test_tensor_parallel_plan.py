@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 
 from kempnerforge.config import ModelConfig
@@ -82,6 +82,49 @@ def test_apply_tp_shards_every_planned_weight_and_keeps_tied_weights_tied(tp_mes
     for name in ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight"):
         assert isinstance(model.get_parameter(name), DTensor), name
     assert not isinstance(model.norm.weight, DTensor)  # no sequence parallel: norms stay plain
+
+
+MOE = dict(num_experts=4, top_k=2, n_shared_experts=2, shared_expert_gate=True, moe_frequency=2)
+
+
+def test_moe_block_plan_shards_attention_and_experts_and_leaves_the_router_replicated():
+    model = _meta_model(**MOE)  # block 0 dense, block 1 MoE
+    plan = model.tp_plan(sequence_parallel=True, loss_parallel=True)
+    assert unmatched_plan_entries(model.layers["0"], plan.block) == []
+    assert unmatched_plan_entries(model.layers["1"], plan.moe_block) == []
+    assert not any(k.startswith("feed_forward") for k in plan.moe_block)
+    moe_linears = {n for n, m in model.layers["1"].named_modules() if isinstance(m, nn.Linear)}
+    # Every Linear but the router's gate and the shared-expert gate (replicated by design) is in the plan.
+    assert moe_linears - set(plan.moe_block) == {"moe.router.gate", "moe.shared_gate"}
+    assert "moe.experts" in plan.moe_block and "moe" in plan.moe_block
+    assert _meta_model().tp_plan(sequence_parallel=False, loss_parallel=True).moe_block == {}  # dense model
+
+
+def test_apply_tp_on_moe_shards_expert_hidden_channels_and_keeps_router_plain(tp_mesh):
+    model = _meta_model(**MOE)
+    apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
+    moe = model.layers["1"].moe
+    assert [p.placements for p in (moe.experts.w1, moe.experts.w2, moe.experts.w3)] == [
+        (Shard(1),),
+        (Shard(2),),
+        (Shard(1),),
+    ]
+    assert moe.experts.tp_mesh is tp_mesh
+    assert isinstance(moe.shared_experts["1"].w2.weight, DTensor)
+    assert not isinstance(moe.router.gate.weight, DTensor) and not isinstance(moe.shared_gate.weight, DTensor)
+    assert isinstance(model.layers["0"].feed_forward.w1.weight, DTensor)  # the dense block keeps the dense plan
+
+
+def test_moe_model_with_a_plan_lacking_moe_block_raises(tp_mesh):
+    class DenseOnly(Transformer):
+        def tp_plan(self, *, sequence_parallel=False, loss_parallel=True):
+            plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+            return TPPlan(root=plan.root, block=plan.block)
+
+    with torch.device("meta"):
+        model = DenseOnly(_config(**MOE))
+    with pytest.raises(ValueError, match=r"'layers.1.feed_forward.w1'"):
+        apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
 
 
 def test_plan_matching_nothing_raises_and_names_the_entries(tp_mesh):

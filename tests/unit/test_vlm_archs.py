@@ -180,6 +180,16 @@ def test_moma_with_decoder_moe_or_ep_is_refused():
     _module("joint_decoder").validate_parallel(ParallelDims(world_size=1))  # the other archs pass
 
 
+def test_vlm_with_moe_and_tp_is_refused():
+    moe = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=128, num_experts=4, top_k=2)
+    module = VisionLanguage(config=moe, vlm=tiny_vlm("joint_decoder"), encoder=tiny_encoder())
+    with pytest.raises(
+        MeshConfigError, match=r"tp=2 with model.config.num_experts=4 is not supported for VisionLanguage"
+    ):
+        module.validate_parallel(ParallelDims(tp=2, world_size=2))
+    module.validate_parallel(ParallelDims(dp_shard=2, ep=2, world_size=2))  # EP alone stays allowed
+
+
 def test_vlm_module_refuses_what_it_does_not_support():
     with pytest.raises(ValueError, match="model.loss_chunk_size=64 is not supported by VisionLanguage"):
         VisionLanguage(loss_chunk_size=64)

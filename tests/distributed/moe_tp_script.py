@@ -1,0 +1,108 @@
+"""MoE training runs under tensor (and expert) parallelism, several per launch (each launch costs ~10 s).
+
+``--runs`` lists runs as ``name:key=value,...``; keys: ``router`` (sigmoid: the tiny MoE of ``train_script``,
+DeepSeek-V3 style with bias balancing and one shared expert; softmax: Qwen-MoE style, a gated shared expert, only
+layer 1 MoE so a dense and an MoE block share the plan), ``tp``, ``ep``, ``sp`` (sequence parallel), ``lp``
+(loss parallel, default 1), ``micro_batch``. Each run is one ``Trainer.fit`` of 5 steps on a global batch of
+8 x 32 tokens, fp32 on gloo; rank 0 writes ``{name: {"losses", "grad_norms", "expert_bytes", "placements"}}`` to
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from torch.distributed.tensor import DTensor
+
+from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.module import CausalLM
+from kempnerforge.strategies import KempnerStrategy
+from kempnerforge.training.lr import SchedulerConfig
+from kempnerforge.training.optimizers import OptimizerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* under torchrun
+from tests.distributed.train_script import Recorder, _expert_bytes, tiny_config  # noqa: E402
+
+INT_KEYS = ("tp", "ep", "sp", "lp", "micro_batch")
+
+
+def model_config(router: str):
+    """The sigmoid (every block MoE, shared expert) or softmax (block 1 MoE, gated shared expert) tiny MoE."""
+    cfg = tiny_config(moe=True)
+    if router == "softmax":
+        cfg = dataclasses.replace(cfg, router="softmax", bias_update_rate=0.0, shared_expert_gate=True, moe_frequency=2)
+    return cfg
+
+
+def _placements(model: torch.nn.Module) -> dict[str, str]:
+    """Placements of the MoE block's parameters (``layers.1.moe.*``): what the TP / EP plan really did."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name.startswith("layers.1.moe."):
+            out[name] = str(tuple(p.placements)) if isinstance(p, DTensor) else "plain"
+    return out
+
+
+def run(opts: dict, data: str) -> dict:
+    seed_everything(0, workers=True)
+    module = CausalLM(
+        config=model_config(opts.get("router", "sigmoid")),
+        optimizer=OptimizerConfig(lr=3e-3),
+        scheduler=SchedulerConfig(warmup_steps=5, total_steps=40),
+        grad_clip=1.0,
+    )
+    datamodule = TokenDataModule(
+        data_dir=data, seq_len=32, micro_batch_size=opts.get("micro_batch", 8), val_fraction=0.1, data_seed=0
+    )
+    recorder = Recorder()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=KempnerStrategy(
+            tp=opts.get("tp", 1),
+            ep=opts.get("ep", 1),
+            sequence_parallel=opts.get("sp", 0) == 1,
+            loss_parallel=opts.get("lp", 1) == 1,
+        ),
+        max_steps=5,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(module, datamodule=datamodule)
+    return {
+        "losses": recorder.losses,
+        "grad_norms": recorder.grad_norms,
+        "expert_bytes": _expert_bytes(module.model),
+        "placements": _placements(module.model),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--runs", nargs="+", required=True)
+    args = p.parse_args()
+    torch.use_deterministic_algorithms(True)
+    records = {}
+    for spec in args.runs:
+        name, _, rest = spec.partition(":")
+        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        records[name] = run({k: int(v) if k in INT_KEYS else v for k, v in opts.items()}, args.data)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.out).write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()
