@@ -31,7 +31,9 @@ from kempnerforge.parallel.contract import is_moe_layer
 from kempnerforge.parallel.order import record_step
 
 
-def apply_compile(model: nn.Module, enabled: bool = True, fullgraph: bool = True, backend: str = "inductor") -> list[str]:
+def apply_compile(
+    model: nn.Module, enabled: bool = True, fullgraph: bool = True, backend: str = "inductor"
+) -> list[str]:
     """Compile every block of ``model.layers`` in place with ``block.compile()``.
 
     With ``enabled=False`` only the step's place in the chain is recorded. With MoE layers, two process-wide

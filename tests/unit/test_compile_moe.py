@@ -49,7 +49,9 @@ def _train(model: Transformer, steps: int = 3) -> tuple[list[float], list[dict[s
         loss.backward()
         tracker.finish_step(model, None, rate=rate)  # sigmoid: the selection bias moves between steps
         losses.append(loss.item())
-        grads.append({n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()})
+        grads.append(
+            {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone() for n, p in model.named_parameters()}
+        )
         opt.step()
         opt.zero_grad()
     return losses, grads
