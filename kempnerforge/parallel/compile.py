@@ -31,6 +31,24 @@ from kempnerforge.parallel.contract import is_moe_layer
 from kempnerforge.parallel.order import record_step
 
 
+def validate_compile(compile: bool, ep: int) -> None:
+    """Check the strategy's ``compile`` argument before any rendezvous.
+
+    Raises:
+        ValueError: ``compile`` not a bool, or ``compile=True`` with ``ep > 1``: FSDP2 then makes each MoE layer
+            and its experts units of their own inside the block (:func:`~kempnerforge.parallel.fsdp.apply_fsdp`),
+            and FSDP2's hooks are ``torch._dynamo.disable``-d, so the compiled block would break (``fullgraph``
+            refuses it) at every MoE layer. The layer itself traces under EP (its all-to-all included).
+    """
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r} is not allowed; use True or False.")
+    if compile and ep > 1:
+        raise ValueError(
+            f"compile=True with ep={ep} is not supported (FSDP2's per-MoE-layer units would break the compiled "
+            "blocks); use compile=False or ep=1."
+        )
+
+
 def apply_compile(
     model: nn.Module, enabled: bool = True, fullgraph: bool = True, backend: str = "inductor"
 ) -> list[str]:
