@@ -31,14 +31,20 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     (probed once per (device type, dtype); the answer is cached)."""
     # Fake tensors (kforge estimate) answer with the meta kernel's rules (CUDA's: bf16 only), not this build's
     # CPU kernel: probed and cached apart, so a simulation never changes what real tensors use.
-    key = (x.device.type, x.dtype, isinstance(x, FakeTensor))
+    return _probe_grouped_mm(x.device, x.dtype, isinstance(x, FakeTensor))
+
+
+# Under torch.compile the probe runs once, eagerly, at trace time (its answer a constant of the graph).
+@torch.compiler.assume_constant_result
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, fake: bool) -> bool:
+    key = (device.type, dtype, fake)
     if key not in _GROUPED_MM_PROBE:
         ok = _GROUPED_MM is not None
         if ok:
             try:
-                a = torch.ones(2, 8, device=x.device, dtype=x.dtype)
-                b = torch.ones(2, 8, 8, device=x.device, dtype=x.dtype)
-                _GROUPED_MM(a, b, offs=torch.arange(1, 3, device=x.device, dtype=torch.int32))
+                a = torch.ones(2, 8, device=device, dtype=dtype)
+                b = torch.ones(2, 8, 8, device=device, dtype=dtype)
+                _GROUPED_MM(a, b, offs=torch.arange(1, 3, device=device, dtype=torch.int32))
             except (RuntimeError, NotImplementedError):
                 ok = False
         _GROUPED_MM_PROBE[key] = ok
