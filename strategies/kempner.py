@@ -37,7 +37,7 @@ from kempnerforge.checkpoint.sharded_state import (
 from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_state
 from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure, verify_checkpoint
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
-from kempnerforge.parallel.compile import apply_compile
+from kempnerforge.parallel.compile import apply_compile, validate_compile
 from kempnerforge.parallel.contract import (
     TiesWeights,
     ValidatesParallel,
@@ -211,8 +211,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         validate_float8(float8_recipe, float8_all_gather, tp=tp)
         validate_ac(activation_checkpointing, ac_every_n)
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile={compile!r} is not allowed; use True or False.")
+        validate_compile(compile, ep)
         self.float8_recipe = float8_recipe
         self.float8_all_gather = float8_all_gather
         self.activation_checkpointing = activation_checkpointing

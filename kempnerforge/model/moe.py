@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.grouped_mm_op import grouped_mm_op
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.router import Router, load_balancing_loss, sequence_balance_loss, z_loss
 from kempnerforge.parallel import ep_dispatch
@@ -31,14 +32,20 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     (probed once per (device type, dtype); the answer is cached)."""
     # Fake tensors (kforge estimate) answer with the meta kernel's rules (CUDA's: bf16 only), not this build's
     # CPU kernel: probed and cached apart, so a simulation never changes what real tensors use.
-    key = (x.device.type, x.dtype, isinstance(x, FakeTensor))
+    return _probe_grouped_mm(x.device, x.dtype, isinstance(x, FakeTensor))
+
+
+# Under torch.compile the probe runs once, eagerly, at trace time (its answer a constant of the graph).
+@torch.compiler.assume_constant_result
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, fake: bool) -> bool:
+    key = (device.type, dtype, fake)
     if key not in _GROUPED_MM_PROBE:
         ok = _GROUPED_MM is not None
         if ok:
             try:
-                a = torch.ones(2, 8, device=x.device, dtype=x.dtype)
-                b = torch.ones(2, 8, 8, device=x.device, dtype=x.dtype)
-                _GROUPED_MM(a, b, offs=torch.arange(1, 3, device=x.device, dtype=torch.int32))
+                a = torch.ones(2, 8, device=device, dtype=dtype)
+                b = torch.ones(2, 8, 8, device=device, dtype=dtype)
+                _GROUPED_MM(a, b, offs=torch.arange(1, 3, device=device, dtype=torch.int32))
             except (RuntimeError, NotImplementedError):
                 ok = False
         _GROUPED_MM_PROBE[key] = ok
@@ -71,8 +78,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_group
     """
     if use_grouped and grouped_mm_supported(x):
         offs = torch.cumsum(counts, dim=0).to(torch.int32)
+        if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+            # The native op's fake kernel refuses these dtypes (see grouped_mm_op); same eager kernel.
+            return grouped_mm_op(x, w.transpose(-2, -1), offs)
         out = _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
-        if out.requires_grad:
+        if out.requires_grad and not torch.compiler.is_compiling():
             # The CPU backward rejects expanded (stride-0) output grads, e.g. from a plain .sum().
             out.register_hook(lambda g: g.contiguous())
         return out
@@ -210,7 +220,7 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)
         route = self.router(tokens, self._routing_for_recompute())
         # torch._C._current_graph_task_id: -1 outside a backward; torch has no public way to tell (checkpoint uses it).
-        if self.save_routing and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if self._reuse_routing() and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             # The oldest forward's choice is recomputed first; beyond the depth the oldest is dropped.
             self._saved_indices = [*self._saved_indices, route.indices.detach()][-self.saved_routing_depth :]
         flat_experts = route.indices.reshape(-1)  # (tokens * top_k,), assignment a = token * k + slot
@@ -254,10 +264,16 @@ class MoE(nn.Module):
         if self._saved_indices:
             self._saved_indices.pop()
 
+    def _reuse_routing(self) -> bool:
+        # Compiled (per-block compile of a checkpointed block), the recomputation is part of the compiled
+        # backward graph: no Python reruns, and the partitioner either saves the expert indices or recomputes
+        # top-k from the forward's saved (version-checked) inputs, so the routing cannot change either way.
+        return self.save_routing and not torch.compiler.is_compiling()
+
     def _routing_for_recompute(self) -> torch.Tensor | None:
         """The expert choice saved by the original forward when this forward is an activation-checkpointing
         recomputation (it runs inside a backward graph task), else None (route afresh)."""
-        if not self.save_routing or torch._C._current_graph_task_id() == -1:
+        if not self._reuse_routing() or torch._C._current_graph_task_id() == -1:
             return None
         return self._saved_indices.pop(0) if self._saved_indices else None
 

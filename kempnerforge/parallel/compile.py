@@ -5,55 +5,93 @@ small and identical across blocks, so one compiled graph serves every block of t
 (dynamo's ``inline_inbuilt_nn_modules`` makes parameters graph inputs), and FSDP2's per-block
 all-gather / reduce-scatter hooks stay outside the graphs. ``nn.Module.compile`` compiles in place:
 the module keeps its class and FQNs (no ``_orig_mod`` prefix), so state-dict keys are unchanged.
+
+MoE blocks compile whole, without graph breaks (``fullgraph=True``), as torchtitan's do:
+
+- routing, capacity dropping and the combine have fixed shapes (no host sync), and the grouped GEMM is one
+  graph node (:mod:`kempnerforge.model.grouped_mm_op` for fp32, whose native fake kernel takes bf16 only);
+- expert parallelism's all-to-all needs its split sizes as host integers (``.tolist()``, the one host sync
+  per layer). We trace through it with ``torch._dynamo.config.capture_scalar_outputs`` (the sizes become
+  unbacked symbols, the received row count a dynamic dim): one graph per block whatever the routing, no
+  recompiles. The alternatives cost more: ``torch.compiler.disable`` on the dispatch would break every MoE
+  block into three graphs, run the experts eagerly, and make a checkpointed block fall back to eager
+  entirely (dynamo cannot trace a checkpoint region with a break inside); a custom op around the dispatch
+  would need its own hand-written backward for the experts inside it.
+- ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``: an MoE layer records its
+  ``aux_loss`` and ``stats`` as attributes. Eager checkpointing re-records them in the recomputation (same
+  values); a compiled checkpointed block records them once, in forward, which is all the training loop reads.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from kempnerforge.parallel.contract import is_moe_layer
 from kempnerforge.parallel.order import record_step
 
 
-def apply_compile(model: nn.Module, enabled: bool = True, fullgraph: bool = True) -> list[str]:
-    """Compile every block of ``model.layers`` in place with ``block.compile()`` (inductor backend).
+def validate_compile(compile: bool, ep: int) -> None:
+    """Check the strategy's ``compile`` argument before any rendezvous.
 
-    With ``enabled=False`` only the step's place in the chain is recorded.
+    Raises:
+        ValueError: ``compile`` not a bool, or ``compile=True`` with ``ep > 1``: FSDP2 then makes each MoE layer
+            and its experts units of their own inside the block (:func:`~kempnerforge.parallel.fsdp.apply_fsdp`),
+            and FSDP2's hooks are ``torch._dynamo.disable``-d, so the compiled block would break (``fullgraph``
+            refuses it) at every MoE layer. The layer itself traces under EP (its all-to-all included).
+    """
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r} is not allowed; use True or False.")
+    if compile and ep > 1:
+        raise ValueError(
+            f"compile=True with ep={ep} is not supported (FSDP2's per-MoE-layer units would break the compiled "
+            "blocks); use compile=False or ep=1."
+        )
 
-    Compilation is lazy: the first forward of each distinct graph compiles (about 27 s cold on a 2-core
-    CPU, a few seconds from a warm ``TORCHINDUCTOR_CACHE_DIR``).
+
+def apply_compile(
+    model: nn.Module, enabled: bool = True, fullgraph: bool = True, backend: str = "inductor"
+) -> list[str]:
+    """Compile every block of ``model.layers`` in place with ``block.compile()``.
+
+    With ``enabled=False`` only the step's place in the chain is recorded. With MoE layers, two process-wide
+    dynamo settings are switched on (see the module docstring); they change nothing for dense blocks.
+
+    Compilation is lazy: the first forward of each distinct graph compiles (about 27 s cold for a dense
+    block on a 2-core CPU, 35 s of CPU for an MoE block; a few seconds from a warm ``TORCHINDUCTOR_CACHE_DIR``).
 
     Args:
-        model: a model with ``layers`` (``nn.ModuleDict`` / ``nn.ModuleList``), after activation
+        model: a model with ``layers`` (``nn.ModuleDict`` / ``nn.ModuleList``), after EP and activation
             checkpointing (a ``CheckpointWrapper`` block is compiled together with its recompute).
         enabled: compile (the strategy's ``compile`` argument).
         fullgraph: refuse graph breaks inside a block (a break would silently cost speed).
+        backend: ``torch.compile`` backend (``"inductor"``; tests use ``"aot_eager"`` to skip code generation).
 
     Returns:
         Names (keys in ``model.layers``) of the compiled blocks (empty when not enabled).
 
     Raises:
-        ValueError: ``model.layers`` missing or empty, or the model has MoE layers or other routed modules
-            declaring ``data_dependent_shapes`` (MoMa's expert groups): ``fullgraph`` compilation of their
-            blocks fails; use compile=False.
+        ValueError: ``model.layers`` missing or empty, or the model has modules declaring
+            ``data_dependent_shapes`` (MoMa's expert-choice groups, not verified under compile).
         TransformOrderError: compile applied twice, or after FSDP2.
     """
     record_step(model, "compile")
     if not enabled:
         return []
-    # MoE layers and MoMa's expert-choice groups (``data_dependent_shapes``) route a data-dependent
-    # number of rows to each expert.
-    moe = [n for n, m in model.named_modules() if is_moe_layer(m) or getattr(m, "data_dependent_shapes", False)]
-    if moe:
+    routed = [n for n, m in model.named_modules() if getattr(m, "data_dependent_shapes", False)]
+    if routed:
         raise ValueError(
-            f"compile=True is not supported for MoE models ({len(moe)} MoE layers, e.g. {moe[0]}): token "
-            "routing has data-dependent shapes that full-graph block compilation cannot trace; use compile=False."
+            f"compile=True is not supported for modules declaring data_dependent_shapes (MoMa's expert-choice "
+            f"groups; {len(routed)}, e.g. {routed[0]}); use compile=False."
         )
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict | nn.ModuleList) or len(layers) == 0:
         raise ValueError("per-block compile needs model.layers, a non-empty nn.ModuleDict or nn.ModuleList.")
+    if any(is_moe_layer(m) for m in model.modules()):
+        torch._dynamo.config.capture_scalar_outputs = True  # EP split sizes as unbacked symbols
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # aux_loss / stats once
     names = []
     for name, block in layers.named_children():
-        block.compile(fullgraph=fullgraph)
+        block.compile(fullgraph=fullgraph, backend=backend)
         names.append(name)
     return names

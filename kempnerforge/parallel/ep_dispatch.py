@@ -72,6 +72,10 @@ def dispatch_combine(
     out_local = local_fn(received[perm], recv_by_src.sum(0))
     back = torch.empty_like(out_local).index_copy(0, perm, out_local)
     out = all_to_all_single_autograd(back, send_splits, recv_splits, group)
+    if torch.compiler.is_compiling():
+        # Traced, kept is an unbacked symbol (see kempnerforge.parallel.compile): no branch on it.
+        torch._check(kept <= rows)
+        return torch.cat([out, out.new_zeros(rows - kept, out.shape[1])])
     return out if kept == rows else torch.cat([out, out.new_zeros(rows - kept, out.shape[1])])
 
 

@@ -381,13 +381,6 @@ def test_expert_width_multiplier_sets_fine_grained_width():
     assert math.isclose(_cfg().expert_hidden, 16)
 
 
-def test_compile_is_refused_for_moe_models():
-    from kempnerforge.parallel.compile import apply_compile
-
-    with pytest.raises(ValueError, match="compile=True is not supported for MoE models"):
-        apply_compile(Transformer(_cfg()), enabled=True)
-
-
 def test_activation_checkpointing_recompute_reuses_the_saved_routing():
     """Change the selection bias between forward and backward: the checkpointed model's recomputation
     must still route as its forward did (grads equal the non-checkpointed model's)."""

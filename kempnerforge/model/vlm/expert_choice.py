@@ -90,8 +90,9 @@ class ExpertChoiceFFN(nn.Module):
     (:class:`~kempnerforge.model.moe.GroupedExperts`, ``torch._grouped_mm`` where supported).
 
     Not an ``is_moe`` layer: expert parallelism and the token-choice MoE statistics do not apply.
-    ``data_dependent_shapes`` makes per-block ``torch.compile`` refuse it, as it does MoE layers (its
-    grouped GEMM takes offsets computed on the device; the shapes themselves are fixed).
+    ``data_dependent_shapes`` makes per-block ``torch.compile`` refuse it (token-choice MoE layers compile;
+    this module is not verified under compile, although its shapes are fixed and its grouped GEMM takes
+    offsets computed on the device).
     After each forward, :attr:`routing` holds the detached :class:`ExpertChoice`.
 
     Args:
