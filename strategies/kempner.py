@@ -116,7 +116,9 @@ class KempnerStrategy(ModelParallelStrategy):
         timeout: collective timeout.
         float8_recipe: None (FP8 off) or a torchao float8 training recipe, ``"tensorwise"`` or
             ``"rowwise"`` (validated against the installed torchao; needs the ``float8`` extra).
-            Converts Linears whose dims are multiples of 16, except experts, routers and the head.
+            Converts Linears whose dims are multiples of 16, except experts, routers and the head. With
+            ``tp > 1`` the TP-sharded Linears use torchao's float8 TP styles (tensorwise: float8 collectives)
+            or the stock ones (rowwise: high-precision collectives), see :mod:`kempnerforge.parallel.float8`.
         float8_all_gather: FSDP2 all-gathers weights in float8 (``float8_recipe="tensorwise"`` only).
         activation_checkpointing: ``"none"``, ``"full"`` (every block), ``"selective"`` (every
             ``ac_every_n``-th block) or ``"selective_op"`` (every block; matmul, attention and router
@@ -146,8 +148,8 @@ class KempnerStrategy(ModelParallelStrategy):
             Trainer is built, a ``trainer.precision`` other than ``32-true`` / ``bf16-mixed`` (one line naming
             ``trainer.strategy.init_args.mixed_precision_param``); in ``setup_environment``, before the process
             group exists, ``trainer.gradient_clip_val`` (clipping is the module's ``grad_clip``).
-        Float8ConfigError: an unknown float8 recipe, torchao missing, ``float8_all_gather`` with a
-            non-tensorwise recipe, or FP8 with ``tp > 1``.
+        Float8ConfigError: an unknown float8 recipe, torchao missing, or ``float8_all_gather`` with a
+            non-tensorwise recipe.
     """
 
     def __init__(
@@ -208,7 +210,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.reduce_dtype = resolve_dtype(mixed_precision_reduce, "mixed_precision_reduce")
         self.float32_matmul_precision = float32_matmul_precision
         self.reshard_after_forward = reshard_after_forward
-        validate_float8(float8_recipe, float8_all_gather, tp=tp)
+        validate_float8(float8_recipe, float8_all_gather)
         validate_ac(activation_checkpointing, ac_every_n)
         if not isinstance(compile, bool):
             raise ValueError(f"compile={compile!r} is not allowed; use True or False.")
@@ -356,19 +358,22 @@ class KempnerStrategy(ModelParallelStrategy):
         assert self.parallel_mesh is not None
         if self.pipeline is not None:
             self.pipeline.prune(model)  # on meta: this rank keeps only its stages' modules
-        # TP first: its plan matches raw nn.Linear / nn.Embedding modules by FQN (any wrapper hides them).
+        # TP first: its plan matches raw nn.Linear / nn.Embedding modules by FQN (any wrapper hides them). With FP8
+        # the Linears it shards become Float8Linear just before (torchao's float8 styles need them; same FQNs).
         if self.parallel_mesh.dims.tp > 1:
             apply_tp(
                 model,
                 self.parallel_mesh.tp,
                 sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
+                float8_recipe=self.float8_recipe,
+                float8_all_gather=self.float8_all_gather,
             )
         # EP after TP: shards the packed experts over the ep mesh (TP is refused for MoE models).
         ep = self.parallel_mesh.dims.ep
         apply_ep(model, self.parallel_mesh.ep if ep > 1 else None)
-        # FP8 after TP/EP, before AC/FSDP2: the filter must see raw Linears by FQN, and FSDP2 can only
-        # all-gather in float8 if conversion came first.
+        # FP8 after TP/EP, before AC/FSDP2: the filter must see raw Linears by FQN (those TP did not convert), and
+        # FSDP2 can only all-gather in float8 if conversion came first.
         apply_float8(model, self.float8_recipe, self.float8_all_gather)
         # AC before compile and FSDP2: wrapping after FSDP2 owns the parameters breaks its buckets.
         apply_ac(model, self.activation_checkpointing, self.ac_every_n)
