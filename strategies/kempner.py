@@ -45,7 +45,7 @@ from kempnerforge.parallel.contract import (
     check_module_contract,
 )
 from kempnerforge.parallel.expert_parallel import apply_ep
-from kempnerforge.parallel.float8 import apply_float8, validate_float8
+from kempnerforge.parallel.float8 import apply_float8, refresh_float8_weight_scales, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
 from kempnerforge.parallel.grad_clip import check_lightning_clipping
 from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degrees
@@ -352,6 +352,7 @@ class KempnerStrategy(ModelParallelStrategy):
         if self.pipeline is not None and self.pipeline.schedule is None:
             self.pipeline.build(self.root_device)
         super().setup(trainer)
+        self._refresh_float8_scales()  # after Lightning's setup: scales set before it were found lost after it
 
     def parallelize(self, model: nn.Module) -> None:
         """The chain in its fixed order: TP -> EP -> FP8 -> activation checkpointing -> compile -> FSDP2."""
@@ -393,6 +394,20 @@ class KempnerStrategy(ModelParallelStrategy):
             )
         if self.pipeline is not None:
             record_step(model, "fsdp")
+
+    def _refresh_float8_scales(self) -> None:
+        """With ``float8_all_gather``: the weights' float8 scales from the current weights, one all-reduce for all
+        (:func:`~kempnerforge.parallel.float8.refresh_float8_weight_scales`); exact full-tensor amax under TP."""
+        module = self.lightning_module
+        if self.float8_all_gather and module is not None:
+            refresh_float8_weight_scales(module.model)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step, then (``float8_all_gather``) the float8 weight scales of the new weights."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._refresh_float8_scales()
+        return out
 
     def materialize(self, model: nn.Module, seed: int) -> None:
         """Allocate meta tensors on the device and run the model's own init (the only init)."""
@@ -509,6 +524,7 @@ class KempnerStrategy(ModelParallelStrategy):
             if isinstance(first_failure(err), CorruptCheckpointError):  # DCP raises on every rank alike
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {describe_failure(err)}") from err
             raise
+        self._refresh_float8_scales()  # the restored weights' scales
         if weights_only:
             meta.pop("rank_state", None)
             return meta

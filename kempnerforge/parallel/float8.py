@@ -328,3 +328,32 @@ def apply_float8(model: nn.Module, recipe: str | None, all_gather: bool = False)
             f"in/out features (per TP shard) not multiples of {FP8_DIM_MULTIPLE}); disable FP8."
         )
     return converted
+
+
+def refresh_float8_weight_scales(model: nn.Module) -> bool:
+    """Recompute the float8 scales FSDP2's float8 all-gather casts the weights with, from the current weights.
+
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp``: one stacked amax over every float8 all-gather
+    weight, reduced once over all mesh axes (one small all-reduce per step instead of one per weight at each
+    all-gather). Under TP it is also what keeps the weight scales equal to one process's: without it each
+    weight's all-gather reduces its amax over the FSDP axis only, i.e. per TP shard. Call after every
+    optimizer step and after the weights are initialized or restored (a stale scale can saturate the cast).
+
+    Args:
+        model: the model after FSDP2, with ``float8_all_gather`` conversions (tensorwise).
+
+    Returns:
+        True when some weight had a scale to refresh (False: no float8 all-gather weight, nothing done).
+    """
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
+
+    if not any(
+        isinstance(m, Float8Linear)
+        and isinstance(m.weight, DTensor)
+        and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+        for m in model.modules()
+    ):
+        return False
+    precompute_float8_dynamic_scale_for_fsdp(model)
+    return True

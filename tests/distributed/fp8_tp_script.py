@@ -57,11 +57,16 @@ class ScaleSpy(Callback):
 
     def __init__(self) -> None:
         self.scales: list[list[float]] = []
+        self.precomputed: list[float] = []  # float8 all-gather: the weight scales refreshed before step 1
         self._saved = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx != 0:
             return
+        for m in pl_module.model.modules():
+            local = getattr(getattr(m, "weight", None), "_local_tensor", None)
+            if getattr(local, "_precomputed_scale", None) is not None:
+                self.precomputed.append(float(local._precomputed_scale))
         from torchao.float8 import float8_scaling_utils as utils
 
         original, spy = utils.tensor_to_scale, self
@@ -121,7 +126,7 @@ def run(opts: dict, data: str) -> dict:
         canonical_fqn(n): _hook_name(m) for n, m in module.model.named_modules() if isinstance(m, Float8Linear)
     }
     record = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "steps": recorder.steps}
-    return {**record, "float8": float8, "scales": spy.scales}
+    return {**record, "float8": float8, "scales": spy.scales, "precomputed": spy.precomputed}
 
 
 def main() -> None:
