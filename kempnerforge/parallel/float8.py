@@ -273,9 +273,7 @@ def _reads_only_float8(module: nn.Module, key: str, rowwise_targets: set[str]) -
         return False
     for name, sub in targets:
         readers = [
-            m
-            for n, m in sub.named_modules(prefix=name)
-            if isinstance(m, nn.Linear) and n not in rowwise_targets
+            m for n, m in sub.named_modules(prefix=name) if isinstance(m, nn.Linear) and n not in rowwise_targets
         ]
         if not readers or not all(isinstance(m, Float8Linear) for m in readers):
             return False

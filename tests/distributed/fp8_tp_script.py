@@ -122,9 +122,7 @@ def run(opts: dict, data: str) -> dict:
         callbacks=[recorder, spy],
     )
     trainer.fit(module, datamodule=datamodule)
-    float8 = {
-        canonical_fqn(n): _hook_name(m) for n, m in module.model.named_modules() if isinstance(m, Float8Linear)
-    }
+    float8 = {canonical_fqn(n): _hook_name(m) for n, m in module.model.named_modules() if isinstance(m, Float8Linear)}
     record = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "steps": recorder.steps}
     return {**record, "float8": float8, "scales": spy.scales, "precomputed": spy.precomputed}
 
