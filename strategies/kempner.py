@@ -45,7 +45,7 @@ from kempnerforge.parallel.contract import (
     check_module_contract,
 )
 from kempnerforge.parallel.expert_parallel import apply_ep
-from kempnerforge.parallel.float8 import apply_float8, validate_float8
+from kempnerforge.parallel.float8 import apply_float8, refresh_float8_weight_scales, validate_float8
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
 from kempnerforge.parallel.grad_clip import check_lightning_clipping
 from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degrees
@@ -117,7 +117,9 @@ class KempnerStrategy(ModelParallelStrategy):
         timeout: collective timeout.
         float8_recipe: None (FP8 off) or a torchao float8 training recipe, ``"tensorwise"`` or
             ``"rowwise"`` (validated against the installed torchao; needs the ``float8`` extra).
-            Converts Linears whose dims are multiples of 16, except experts, routers and the head.
+            Converts Linears whose dims are multiples of 16, except experts, routers and the head. With
+            ``tp > 1`` the TP-sharded Linears use torchao's float8 TP styles (tensorwise: float8 collectives)
+            or the stock ones (rowwise: high-precision collectives), see :mod:`kempnerforge.parallel.float8`.
         float8_all_gather: FSDP2 all-gathers weights in float8 (``float8_recipe="tensorwise"`` only).
         activation_checkpointing: ``"none"``, ``"full"`` (every block), ``"selective"`` (every
             ``ac_every_n``-th block) or ``"selective_op"`` (every block; matmul, attention and router
@@ -147,8 +149,8 @@ class KempnerStrategy(ModelParallelStrategy):
             Trainer is built, a ``trainer.precision`` other than ``32-true`` / ``bf16-mixed`` (one line naming
             ``trainer.strategy.init_args.mixed_precision_param``); in ``setup_environment``, before the process
             group exists, ``trainer.gradient_clip_val`` (clipping is the module's ``grad_clip``).
-        Float8ConfigError: an unknown float8 recipe, torchao missing, ``float8_all_gather`` with a
-            non-tensorwise recipe, or FP8 with ``tp > 1``.
+        Float8ConfigError: an unknown float8 recipe, torchao missing, or ``float8_all_gather`` with a
+            non-tensorwise recipe.
     """
 
     def __init__(
@@ -209,7 +211,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.reduce_dtype = resolve_dtype(mixed_precision_reduce, "mixed_precision_reduce")
         self.float32_matmul_precision = float32_matmul_precision
         self.reshard_after_forward = reshard_after_forward
-        validate_float8(float8_recipe, float8_all_gather, tp=tp)
+        validate_float8(float8_recipe, float8_all_gather)
         validate_ac(activation_checkpointing, ac_every_n)
         validate_compile(compile, ep)
         self.float8_recipe = float8_recipe
@@ -352,25 +354,29 @@ class KempnerStrategy(ModelParallelStrategy):
         if self.pipeline is not None and self.pipeline.schedule is None:
             self.pipeline.build(self.root_device)
         super().setup(trainer)
+        self._refresh_float8_scales()  # after Lightning's setup: scales set before it were found lost after it
 
     def parallelize(self, model: nn.Module) -> None:
         """The chain in its fixed order: TP -> EP -> FP8 -> activation checkpointing -> compile -> FSDP2."""
         assert self.parallel_mesh is not None
         if self.pipeline is not None:
             self.pipeline.prune(model)  # on meta: this rank keeps only its stages' modules
-        # TP first: its plan matches raw nn.Linear / nn.Embedding modules by FQN (any wrapper hides them).
+        # TP first: its plan matches raw nn.Linear / nn.Embedding modules by FQN (any wrapper hides them). With FP8
+        # the Linears it shards become Float8Linear just before (torchao's float8 styles need them; same FQNs).
         if self.parallel_mesh.dims.tp > 1:
             apply_tp(
                 model,
                 self.parallel_mesh.tp,
                 sequence_parallel=self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
+                float8_recipe=self.float8_recipe,
+                float8_all_gather=self.float8_all_gather,
             )
         # EP after TP: splits the experts' dim 0 over the ep mesh (TP split their hidden channels: expert-TP).
         ep = self.parallel_mesh.dims.ep
         apply_ep(model, self.parallel_mesh.ep if ep > 1 else None)
-        # FP8 after TP/EP, before AC/FSDP2: the filter must see raw Linears by FQN, and FSDP2 can only
-        # all-gather in float8 if conversion came first.
+        # FP8 after TP/EP, before AC/FSDP2: the filter must see raw Linears by FQN (those TP did not convert), and
+        # FSDP2 can only all-gather in float8 if conversion came first.
         apply_float8(model, self.float8_recipe, self.float8_all_gather)
         # AC before compile and FSDP2: wrapping after FSDP2 owns the parameters breaks its buckets.
         apply_ac(model, self.activation_checkpointing, self.ac_every_n)
@@ -390,6 +396,13 @@ class KempnerStrategy(ModelParallelStrategy):
             )
         if self.pipeline is not None:
             record_step(model, "fsdp")
+
+    def _refresh_float8_scales(self) -> None:
+        """With ``float8_all_gather``: the weights' float8 scales from the current weights, one all-reduce for all
+        (:func:`~kempnerforge.parallel.float8.refresh_float8_weight_scales`); exact full-tensor amax under TP."""
+        module = self.lightning_module
+        if self.float8_all_gather and module is not None:
+            refresh_float8_weight_scales(module.model)
 
     def materialize(self, model: nn.Module, seed: int) -> None:
         """Allocate meta tensors on the device and run the model's own init (the only init)."""
@@ -506,6 +519,7 @@ class KempnerStrategy(ModelParallelStrategy):
             if isinstance(first_failure(err), CorruptCheckpointError):  # DCP raises on every rank alike
                 raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {describe_failure(err)}") from err
             raise
+        self._refresh_float8_scales()  # the restored weights' scales
         if weights_only:
             meta.pop("rank_state", None)
             return meta
@@ -619,18 +633,20 @@ class KempnerStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Lightning's optimizer step; with ``pp > 1`` the tied embedding's first- and last-stage gradients are
-        summed once right after the step's last backward, before any ``on_before_optimizer_step`` hook."""
-        if self.pipeline is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        pipeline, module = self.pipeline, self.lightning_module
+        """Lightning's optimizer step. With ``pp > 1`` the tied embedding's first- and last-stage gradients are
+        summed once right after the step's last backward, before any ``on_before_optimizer_step`` hook; after
+        the step (``float8_all_gather``) the float8 weight scales of the new weights are refreshed."""
+        if self.pipeline is not None:
+            pipeline, module, inner = self.pipeline, self.lightning_module, closure
 
-        def step_closure() -> Any:
-            out = closure()
-            pipeline.finish_step_gradients(module.model)
-            return out
+            def closure() -> Any:
+                out = inner()
+                pipeline.finish_step_gradients(module.model)
+                return out
 
-        return super().optimizer_step(optimizer, step_closure, model, **kwargs)
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._refresh_float8_scales()
+        return out
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -96,7 +96,15 @@ def _has_moe(block: nn.Module) -> bool:
     return any(is_moe_layer(m) for m in block.modules())
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    float8_recipe: str | None = None,
+    float8_all_gather: bool = False,
+) -> None:
     """Shard ``model`` over ``tp_mesh`` in place with the plan the model declares.
 
     ``model.tp_plan(sequence_parallel=..., loss_parallel=...)`` returns a
@@ -121,6 +129,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         sequence_parallel: shard the residual stream and norms along ``seq``.
         loss_parallel: keep the logits vocab-sharded (the loss must then run under ``loss_parallel()``,
             see :func:`kempnerforge.training.loss.global_token_cross_entropy`).
+        float8_recipe: the FP8 recipe the chain will use (None: off). The Linears the plan shards are
+            converted to ``Float8Linear`` just before sharding and get torchao's float8 styles
+            (:func:`kempnerforge.parallel.float8.float8_tp_plan`); the FP8 step converts the rest later.
+        float8_all_gather: the FP8 step's ``all_gather`` (FSDP2 float8 all-gather, tensorwise).
 
     Raises:
         TransformOrderError: TP applied twice, or after a later step of the chain (FSDP2, AC, ...).
@@ -150,6 +162,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
             "as data parallel; fix the plan's FQNs (TP must run before activation checkpointing, Float8 "
             "and FSDP2 wrap or rename modules)."
         )
+    if float8_recipe is not None:  # Float8Linear before sharding: torchao's float8 styles shard a Float8Linear
+        from kempnerforge.parallel.float8 import float8_tp_plan
+
+        tp, ag = tp_mesh.size(), float8_all_gather
+        plan.root = float8_tp_plan(model, plan.root, float8_recipe, tp=tp, all_gather=ag)
+        block_plans = [
+            float8_tp_plan(b, bp, float8_recipe, tp=tp, all_gather=ag, prefix=f"layers.{n}.")
+            for n, b, bp in zip(names, blocks, block_plans, strict=True)
+        ]
     parallelize_module(model, tp_mesh, plan.root)
     for block, block_plan in zip(blocks, block_plans, strict=True):
         parallelize_module(block, tp_mesh, block_plan)

@@ -127,32 +127,24 @@ def _recipes() -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("recipe", "all_gather", "tp", "message"),
+    ("recipe", "all_gather", "message"),
     [
         (
             "fp8",
             False,
-            1,
             "float8_recipe='fp8' is not a recipe of the installed torchao; choose one of {recipes} (or None to disable FP8).",
         ),
         (
             "rowwise",
             True,
-            1,
             "float8_all_gather=True needs float8_recipe='tensorwise' (torchao all-gathers only per-tensor scaled weights); got float8_recipe='rowwise'.",
         ),
-        (None, True, 1, "float8_all_gather=True needs FP8: set float8_recipe='tensorwise'."),
-        (
-            "tensorwise",
-            False,
-            2,
-            "float8_recipe='tensorwise' with tp=2 is not supported: FP8 + tensor parallelism needs torchao's Float8 parallel styles and a GPU parity test; use tp=1 or float8_recipe=None.",
-        ),
+        (None, True, "float8_all_gather=True needs FP8: set float8_recipe='tensorwise'."),
     ],
 )
-def test_validation_messages(recipe, all_gather, tp, message):
+def test_validation_messages(recipe, all_gather, message):
     with pytest.raises(Float8ConfigError) as err:
-        validate_float8(recipe, all_gather, tp)
+        validate_float8(recipe, all_gather)
     assert str(err.value) == message.format(recipes=_recipes())
 
 
@@ -176,6 +168,9 @@ def test_valid_settings_pass():
         assert KempnerStrategy(float8_recipe=recipe).float8_recipe == recipe
     validate_float8("tensorwise", True)
     assert KempnerStrategy(float8_recipe="tensorwise", float8_all_gather=True).float8_all_gather is True
+    # FP8 composes with TP (tests/distributed/test_float8_tp.py): every recipe is accepted with tp > 1.
+    for recipe in ("tensorwise", "rowwise"):
+        assert KempnerStrategy(tp=2, float8_recipe=recipe).float8_recipe == recipe
 
 
 def test_strategy_applies_fp8_in_the_chain():
@@ -223,11 +218,6 @@ def test_strategy_applies_fp8_in_the_chain():
             "float8_all_gather=True needs float8_recipe='tensorwise'",
         ),
         (
-            {"tp": 2, "float8_recipe": "tensorwise"},
-            Float8ConfigError,
-            "float8_recipe='tensorwise' with tp=2 is not supported: FP8 + tensor parallelism",
-        ),
-        (
             {"activation_checkpointing": "partial"},
             ValueError,
             "activation_checkpointing='partial' is not allowed",
@@ -248,3 +238,95 @@ def test_strategy_refuses_bad_chain_settings_at_construction(kwargs, error, mess
     with pytest.raises(error) as err:
         KempnerStrategy(**kwargs)
     assert str(err.value).startswith(message)
+
+
+# -- FP8 + TP: the plan rewrite the TP step applies (no mesh needed: it only converts and picks styles) ----------
+
+TP_CFG = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=32)
+
+
+def _block_plan(model, recipe, tp=2):
+    plan = model.tp_plan(sequence_parallel=True, loss_parallel=True)
+    return f8.float8_tp_plan(model.layers["0"], plan.block, recipe, tp=tp, prefix="layers.0.")
+
+
+def test_float8_tp_plan_tensorwise_uses_torchao_float8_styles():
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    model = Transformer(TP_CFG)
+    plan = _block_plan(model, "tensorwise")
+    styles = {k: type(v).__name__ for k, v in plan.items()}
+    assert styles == {
+        **{f"attention.{w}": "Float8ColwiseParallel" for w in ("wq", "wk", "wv")},
+        **{f"feed_forward.{w}": "Float8ColwiseParallel" for w in ("w1", "w3")},
+        "attention.wo": "Float8RowwiseParallel",
+        "feed_forward.w2": "Float8RowwiseParallel",
+        "attention_norm": "SequenceParallel",
+        "ffn_norm": "SequenceParallel",
+        "attention": "PrepareFloat8ModuleInput",
+        "feed_forward": "PrepareFloat8ModuleInput",
+    }
+    assert isinstance(plan["attention.wq"], Float8ColwiseParallel)
+    assert isinstance(plan["feed_forward.w2"], Float8RowwiseParallel)
+    assert isinstance(plan["attention"], PrepareFloat8ModuleInput)
+    converted = sorted(n for n, m in model.layers["0"].named_modules() if isinstance(m, Float8Linear))
+    assert converted == sorted([*(f"attention.{w}" for w in ("wq", "wk", "wv", "wo")), "feed_forward.w1",
+                                "feed_forward.w2", "feed_forward.w3"])  # fmt: skip
+    assert _swapped(model.layers["1"]) == []  # only the block it was given
+
+
+def test_float8_tp_plan_rowwise_converts_but_keeps_the_stock_styles():
+    model = Transformer(TP_CFG)
+    stock = model.tp_plan(sequence_parallel=True, loss_parallel=True).block
+    plan = _block_plan(model, "rowwise")
+    assert {k: type(v) for k, v in plan.items()} == {k: type(v) for k, v in stock.items()}
+    assert len(_swapped(model.layers["0"])) == 7
+
+
+def test_float8_tp_plan_keeps_linears_whose_tp_shard_is_not_a_multiple_of_16():
+    """n_kv_heads=2 of 8 channels: wk / wv are 32 -> 16, 8 per TP rank: they stay nn.Linear with stock styles, and
+    the attention input is not cast to float8 before its all-gather (wk / wv read it in high precision)."""
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=32)
+    model = Transformer(cfg)
+    plan = _block_plan(model, "tensorwise")
+    attn = model.layers["0"].attention
+    assert isinstance(attn.wq, Float8Linear) and type(attn.wk) is nn.Linear and type(attn.wv) is nn.Linear
+    assert type(plan["attention.wk"]).__name__ == "ColwiseParallel"
+    assert type(plan["attention.wq"]).__name__ == "Float8ColwiseParallel"
+    assert type(plan["attention"]).__name__ == "PrepareModuleInput"
+    assert type(plan["feed_forward"]).__name__ == "PrepareFloat8ModuleInput"
+    # tp=1 would convert wk / wv (16 is a multiple of 16): the rule is the per-rank GEMM size
+    assert float8_module_filter(nn.Linear(32, 16), "layers.0.attention.wk", out_shards=1)
+    assert not float8_module_filter(nn.Linear(32, 16), "layers.0.attention.wk", out_shards=2)
+    assert not float8_module_filter(nn.Linear(16, 32), "layers.0.attention.wo", in_shards=2)
+
+
+def test_fp8_step_after_tp_conversion_needs_the_same_settings():
+    model = Transformer(TP_CFG)
+    record_step(model, "tp")
+    _block_plan(model, "tensorwise")
+    with pytest.raises(Float8ConfigError, match=r"float8_recipe='rowwise', float8_all_gather=False differ from"):
+        apply_float8(model, "rowwise")
+
+
+def test_fp8_step_after_tp_conversion_converts_the_rest_and_lists_all():
+    model = Transformer(TP_CFG)
+    record_step(model, "tp")
+    _block_plan(model, "tensorwise")
+    converted = apply_float8(model, "tensorwise")
+    assert sorted(converted) == _swapped(model) and len(converted) == 14  # 7 by the TP step, 7 (block 1) here
+    assert applied_steps(model) == ["tp", "float8"]
+
+
+def test_tp_after_fp8_still_raises():
+    """The TP step's own conversion does not loosen the order: TP after the FP8 step is refused."""
+    from kempnerforge.parallel.tensor_parallel import apply_tp
+
+    model = Transformer(TP_CFG)
+    apply_float8(model, "tensorwise")
+    with pytest.raises(TransformOrderError, match="Cannot apply 'tp' after 'float8'"):
+        apply_tp(model, None, sequence_parallel=False, loss_parallel=True, float8_recipe="tensorwise")
