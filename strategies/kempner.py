@@ -45,7 +45,12 @@ from kempnerforge.parallel.contract import (
     check_module_contract,
 )
 from kempnerforge.parallel.expert_parallel import apply_ep
-from kempnerforge.parallel.float8 import apply_float8, refresh_float8_weight_scales, validate_float8
+from kempnerforge.parallel.float8 import (
+    apply_float8,
+    refresh_float8_weight_scales,
+    validate_float8,
+    validate_float8_collectives,
+)
 from kempnerforge.parallel.fsdp import apply_fsdp, is_fsdp_applied, resolve_dtype
 from kempnerforge.parallel.grad_clip import check_lightning_clipping
 from kempnerforge.parallel.mesh import ParallelDims, ParallelMesh, validate_degrees
@@ -309,7 +314,16 @@ class KempnerStrategy(ModelParallelStrategy):
             module.validate_parallel(dims)
         validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
         validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options, ep=dims.ep, tp=dims.tp)
+        validate_float8_collectives(self.float8_recipe, dims.tp, self.sequence_parallel, self._planned_backend())
         return dims
+
+    def _planned_backend(self) -> str | None:
+        # The backend _setup_distributed will pick (Lightning's rule: the explicit one, else by device type).
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        if not self.parallel_devices:  # a bare strategy, before the Trainer assigns its devices
+            return None
+        return self._get_process_group_backend()
 
     @override
     def _setup_distributed(self) -> None:

@@ -128,6 +128,28 @@ def validate_float8(recipe: str | None, all_gather: bool) -> None:
         )
 
 
+def validate_float8_collectives(recipe: str | None, tp: int, sequence_parallel: bool, backend: str | None) -> None:
+    """Refuse FP8 collectives the process-group backend cannot carry, before the rendezvous.
+
+    With ``recipe="tensorwise"``, ``tp > 1`` and sequence parallelism, torchao's float8 TP styles all-gather
+    the activations as float8 tensors; gloo has no float8 dtypes (``Invalid scalar type`` mid-step), NCCL has.
+
+    Args:
+        recipe: the strategy's ``float8_recipe`` (None: FP8 off).
+        tp: tensor-parallel degree.
+        sequence_parallel: the strategy's ``sequence_parallel``.
+        backend: the process-group backend the run will use (``"gloo"``, ``"nccl"``, ...; None: unknown).
+
+    Raises:
+        Float8ConfigError: tensorwise FP8 with ``tp > 1`` and sequence parallel on gloo.
+    """
+    if recipe == "tensorwise" and tp > 1 and sequence_parallel and backend == "gloo":
+        raise Float8ConfigError(
+            f"float8_recipe='tensorwise' with tp={tp} and sequence_parallel=True needs NCCL (CUDA): gloo cannot "
+            "all-gather float8 activations; use float8_recipe='rowwise', sequence_parallel=False, or a GPU run."
+        )
+
+
 def float8_module_filter(module: nn.Module, fqn: str, *, out_shards: int = 1, in_shards: int = 1) -> bool:
     """True when ``module`` (at ``fqn``) should become a ``Float8Linear``.
 

@@ -135,6 +135,16 @@ CASES = {
         ],
         ["sequence_parallel"],
     ),  # fmt: skip
+    "fp8_sequence_parallel_on_gloo": (
+        "debug",
+        [
+            "--trainer.devices=2",
+            "--trainer.strategy.init_args.tp=2",
+            "--trainer.strategy.init_args.sequence_parallel=true",
+            "--trainer.strategy.init_args.float8_recipe=tensorwise",
+        ],
+        ["float8_recipe", "gloo cannot all-gather float8"],
+    ),  # fmt: skip
     # data against the model
     "seq_len": ("debug", ["--data.seq_len=512"], ["data.seq_len:", "max_seq_len=256"]),
     "vlm_text_len": ("vlm_jd", ["--data.init_args.max_text_len=100"], ["model.config.max_seq_len:", "116"]),
