@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -111,8 +112,31 @@ class StepCounter(TorchDispatchMode):
         super().__init__()
         self.axis_of_group = axis_of_group
         self.flops = 0
+        self._propagating = 0
         self.comm: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def __enter__(self):
+        # DTensor derives an op's global output shape by running it once on fake global-shape tensors (the
+        # first time it sees an op schema); those runs reach this mode too, but no rank executes them: a
+        # full-vocab head matmul per step at tp=2 (the debug model at tp=2 counted 127 GFLOP instead of 46).
+        self._propagating = 0
+        self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+        counter, propagate = self, self._propagate
+
+        def propagate_uncounted(propagator, op_schema):
+            counter._propagating += 1
+            try:
+                return propagate(propagator, op_schema)
+            finally:
+                counter._propagating -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate_uncounted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+        return super().__exit__(*exc)
 
     def add_flops(self, flops: int) -> None:
         """Add FLOPs counted analytically (a module the simulation could not run, see ``fake_ops``)."""
@@ -128,6 +152,8 @@ class StepCounter(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._propagating:
+            return out
         if func in collective_ops:
             if func not in sync_ops:
                 self._record_collective(func, out, args, kwargs)

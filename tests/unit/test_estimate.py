@@ -129,6 +129,13 @@ def test_flops_and_collectives_match_their_formulas():
     assert chunked.roles[0].flops == pytest.approx(role.flops, rel=1e-6)
     assert role.comm["reduce_scatter[dp_shard]"] == pytest.approx(total, rel=1e-3)
     assert role.comm["all_gather[dp_shard]"] == pytest.approx(2 * total - last_block, rel=1e-3)
+    # tp=2 (one data shard of 2 sequences, the heads and the vocab split in two): half of the FLOPs of those 2
+    # sequences, which the dp_shard=2 rank above runs whole, plus rank 0's half vocab row more (50257 is odd: its
+    # head shard has 25129 rows) in the head's three matmuls. DTensor's global-shape fake run of each new op
+    # schema (its output-shape propagation) is not counted: it once added a full-vocab head per step.
+    tp = estimate(["--config", DEBUG, *overrides, "--trainer.strategy.init_args.tp=2"], 1, 2, alternatives=False)
+    odd_row = 3 * 2 * tokens * cfg.dim * 0.5
+    assert tp.roles[0].flops == pytest.approx(role.flops / 2 + odd_row, rel=1e-9)
 
 
 def test_moe_capacity_runs_on_fake_tensors_without_fallback():
