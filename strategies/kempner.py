@@ -218,7 +218,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         validate_float8(float8_recipe, float8_all_gather)
         validate_ac(activation_checkpointing, ac_every_n)
-        validate_compile(compile, compile_backend)
+        validate_compile(compile, compile_backend, tp)
         self.float8_recipe = float8_recipe
         self.float8_all_gather = float8_all_gather
         self.activation_checkpointing = activation_checkpointing
@@ -388,7 +388,12 @@ class KempnerStrategy(ModelParallelStrategy):
         apply_ac(model, self.activation_checkpointing, self.ac_every_n)
         # Per-block compile after AC (the recompute is compiled too), before FSDP2 (its hooks stay outside; with EP
         # the MoE blocks are compiled piecewise around the MoE / experts units FSDP2 will make inside them).
-        apply_compile(model, enabled=self.compile, backend=self.compile_backend, expert_parallel=ep > 1)
+        apply_compile(
+            model,
+            enabled=self.compile,
+            backend=self.compile_backend,
+            expert_parallel=ep > 1,
+        )
         # FSDP2 last: embedding, blocks, [norm, head] (tied: one unit with the embedding), root. With pp > 1
         # every stage is a root and keeps its parameters gathered: each micro-batch reuses them.
         units = self.pipeline.make_stages(model) if self.pipeline is not None else [model]

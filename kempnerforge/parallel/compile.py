@@ -39,19 +39,25 @@ from kempnerforge.parallel.contract import is_moe_layer
 from kempnerforge.parallel.fsdp import block_inner_units
 from kempnerforge.parallel.order import record_step
 
-
 #: ``torch.compile`` backends the strategy's ``compile_backend`` accepts.
 BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 
 
-def validate_compile(compile: bool, backend: str = "inductor") -> None:
+def validate_compile(compile: bool, backend: str = "inductor", tp: int = 1) -> None:
     """Check the strategy's ``compile`` and ``compile_backend`` arguments before any rendezvous.
 
     Raises:
-        ValueError: ``compile`` not a bool, or ``backend`` not one of :data:`BACKENDS`.
+        ValueError: ``compile`` not a bool, ``backend`` not one of :data:`BACKENDS`, or ``compile=True`` with
+            ``tp > 1``: with torch 2.13 a compiled TP block's backward hands a plain tensor to DTensor's eager
+            redistribute backward (``'Tensor' object has no attribute '_local_tensor'``, dense and MoE blocks,
+            inductor and aot_eager alike), and with activation checkpointing AOT autograd refuses to save the
+            DTensors' DeviceMesh (``expected all tensors_saved_with_vc_check to be Tensors``).
     """
     if not isinstance(compile, bool):
         raise ValueError(f"compile={compile!r} is not allowed; use True or False.")
+    if compile and tp > 1:
+        raise ValueError(f"compile=True with tp={tp} is not supported (compiled TP blocks fail in backward); use "
+                         "compile=False or tp=1.")  # fmt: skip
     if backend not in BACKENDS:
         raise ValueError(f"compile_backend={backend!r} is not allowed; choose one of {list(BACKENDS)}.")
 
@@ -117,19 +123,25 @@ def apply_compile(
             block.compile(**options)
             names.append(name)
         else:
-            names += [f"{name}.{piece}" for piece in _compile_around(block, units, options)]
+            # The router stays eager too: under AC its recomputation gets the forward's expert choice as an input,
+            # a second graph saving other tensors than the first, which the eager checkpoint refuses.
+            eager = {id(m.router) for m in block.modules() if is_moe_layer(m)}
+            names += [f"{name}.{piece}" for piece in _compile_around(block, units, eager, options)]
     return names
 
 
-def _compile_around(module: nn.Module, units: set[int], options: dict) -> list[str]:
+def _compile_around(module: nn.Module, units: set[int], eager: set[int], options: dict) -> list[str]:
     """Compile in place every largest submodule of ``module`` that holds none of ``units`` (ids of modules that
-    will be FSDP2 units) and is callable; return their names relative to ``module`` (CheckpointWrapper's
-    ``_checkpoint_wrapped_module.`` prefix dropped, as in state-dict keys)."""
+    will be FSDP2 units), is not in ``eager`` (ids of modules left uncompiled) and is callable; return their names
+    relative to ``module`` (CheckpointWrapper's ``_checkpoint_wrapped_module.`` prefix dropped, as in state-dict
+    keys)."""
     names = []
     for name, child in module.named_children():
         holds_unit = any(id(m) in units for m in child.modules())
+        if id(child) in eager:
+            continue
         if holds_unit or isinstance(child, nn.ModuleDict | nn.ModuleList):  # containers have no forward
-            names += [f"{name}.{piece}" for piece in _compile_around(child, units, options)]
+            names += [f"{name}.{piece}" for piece in _compile_around(child, units, eager, options)]
         else:
             child.compile(**options)
             names.append(name)

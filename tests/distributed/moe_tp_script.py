@@ -48,6 +48,8 @@ def model_config(router: str):
     """The sigmoid (every block MoE, shared expert) or softmax (block 1 MoE, gated shared expert) tiny MoE."""
     if router == "chain":
         return chain_config()
+    if router == "dense":
+        return dataclasses.replace(chain_config(), num_experts=0, n_shared_experts=0)
     cfg = tiny_config(moe=True)
     if router == "softmax":
         cfg = dataclasses.replace(cfg, router="softmax", bias_update_rate=0.0, shared_expert_gate=True, moe_frequency=2)
