@@ -130,7 +130,11 @@ class KempnerStrategy(ModelParallelStrategy):
             ``ac_every_n``-th block) or ``"selective_op"`` (every block; matmul, attention and router
             top-k outputs are saved, the rest recomputed; arXiv:2205.05198).
         ac_every_n: with ``activation_checkpointing="selective"``, checkpoint every n-th block (>= 1).
-        compile: ``torch.compile`` each block in place (after AC, before FSDP2).
+        compile: ``torch.compile`` each block in place (after AC, before FSDP2). With ``ep > 1`` MoE blocks are
+            compiled piecewise around their FSDP2 units (:func:`~kempnerforge.parallel.compile.apply_compile`).
+        compile_backend: the ``torch.compile`` backend: ``"inductor"`` (default: generated kernels),
+            ``"aot_eager"`` (traced forward and backward graphs run by eager kernels: no code generation, for
+            CPU tests) or ``"eager"`` (dynamo only).
         cpu_keep_freed_memory: on CPU, tell glibc malloc to keep freed memory for the next step
             instead of unmapping it (:func:`kempnerforge.strategies.cpu_malloc.keep_freed_memory`):
             ~30% faster CPU steps for one model training alone (the debug recipe turns it on), but
@@ -179,6 +183,7 @@ class KempnerStrategy(ModelParallelStrategy):
         activation_checkpointing: str = "none",
         ac_every_n: int = 2,
         compile: bool = False,
+        compile_backend: str = "inductor",
         cpu_keep_freed_memory: bool = False,
         async_checkpoint: bool = False,
         pp_schedule: str = "1f1b",
@@ -218,12 +223,13 @@ class KempnerStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         validate_float8(float8_recipe, float8_all_gather)
         validate_ac(activation_checkpointing, ac_every_n)
-        validate_compile(compile, ep)
+        validate_compile(compile, compile_backend, tp)
         self.float8_recipe = float8_recipe
         self.float8_all_gather = float8_all_gather
         self.activation_checkpointing = activation_checkpointing
         self.ac_every_n = ac_every_n
         self.compile = compile
+        self.compile_backend = compile_backend
         self.cpu_keep_freed_memory = cpu_keep_freed_memory
         self.parallel_mesh: ParallelMesh | None = None
         self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint, timeout=timeout)
@@ -394,8 +400,14 @@ class KempnerStrategy(ModelParallelStrategy):
         apply_float8(model, self.float8_recipe, self.float8_all_gather)
         # AC before compile and FSDP2: wrapping after FSDP2 owns the parameters breaks its buckets.
         apply_ac(model, self.activation_checkpointing, self.ac_every_n)
-        # Per-block compile after AC (the recompute is compiled too), before FSDP2 (its hooks stay outside).
-        apply_compile(model, enabled=self.compile)
+        # Per-block compile after AC (the recompute is compiled too), before FSDP2 (its hooks stay outside; with EP
+        # the MoE blocks are compiled piecewise around the MoE / experts units FSDP2 will make inside them).
+        apply_compile(
+            model,
+            enabled=self.compile,
+            backend=self.compile_backend,
+            expert_parallel=ep > 1,
+        )
         # FSDP2 last: embedding, blocks, [norm, head] (tied: one unit with the embedding), root. With pp > 1
         # every stage is a root and keeps its parameters gathered: each micro-batch reuses them.
         units = self.pipeline.make_stages(model) if self.pipeline is not None else [model]

@@ -17,6 +17,14 @@ MoE blocks compile whole, without graph breaks (``fullgraph=True``), as torchtit
   block into three graphs, run the experts eagerly, and make a checkpointed block fall back to eager
   entirely (dynamo cannot trace a checkpoint region with a break inside); a custom op around the dispatch
   would need its own hand-written backward for the experts inside it.
+- with expert parallelism, FSDP2 makes each MoE layer and its experts units of their own inside the block
+  (:func:`~kempnerforge.parallel.fsdp.apply_fsdp`: one unit per block would deadlock the all-to-alls against its
+  reduce-scatter), and FSDP2's hooks are ``torch._dynamo.disable``-d: a compiled block would break at them
+  (``fullgraph`` refuses it; without it a checkpointed block falls back to eager whole). Such blocks are compiled
+  piecewise, as torchtitan v0.2 did for MoE: attention, the norms, the router, the shared experts and their gate
+  each compile in place (``fullgraph``); the MoE layer's own glue (counts, sort, gather, combine), the EP
+  all-to-all and the experts' grouped GEMMs run eagerly between them. Activation checkpointing then stays eager
+  around the block and recomputes through the compiled pieces. Dense blocks of the same model compile whole.
 - ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint``: an MoE layer records its
   ``aux_loss`` and ``stats`` as attributes. Eager checkpointing re-records them in the recomputation (same
   values); a compiled checkpointed block records them once, in forward, which is all the training loop reads.
@@ -28,31 +36,46 @@ import torch
 from torch import nn
 
 from kempnerforge.parallel.contract import is_moe_layer
+from kempnerforge.parallel.fsdp import block_inner_units
 from kempnerforge.parallel.order import record_step
 
+#: ``torch.compile`` backends the strategy's ``compile_backend`` accepts.
+BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 
-def validate_compile(compile: bool, ep: int) -> None:
-    """Check the strategy's ``compile`` argument before any rendezvous.
+
+def validate_compile(compile: bool, backend: str = "inductor", tp: int = 1) -> None:
+    """Check the strategy's ``compile`` and ``compile_backend`` arguments before any rendezvous.
 
     Raises:
-        ValueError: ``compile`` not a bool, or ``compile=True`` with ``ep > 1``: FSDP2 then makes each MoE layer
-            and its experts units of their own inside the block (:func:`~kempnerforge.parallel.fsdp.apply_fsdp`),
-            and FSDP2's hooks are ``torch._dynamo.disable``-d, so the compiled block would break (``fullgraph``
-            refuses it) at every MoE layer. The layer itself traces under EP (its all-to-all included).
+        ValueError: ``compile`` not a bool, ``backend`` not one of :data:`BACKENDS`, or ``compile=True`` with
+            ``tp > 1``: with torch 2.13 a compiled TP block's backward hands a plain tensor to DTensor's eager
+            redistribute backward (``'Tensor' object has no attribute '_local_tensor'``, dense and MoE blocks,
+            inductor and aot_eager alike), and with activation checkpointing AOT autograd refuses to save the
+            DTensors' DeviceMesh (``expected all tensors_saved_with_vc_check to be Tensors``).
     """
     if not isinstance(compile, bool):
         raise ValueError(f"compile={compile!r} is not allowed; use True or False.")
-    if compile and ep > 1:
-        raise ValueError(
-            f"compile=True with ep={ep} is not supported (FSDP2's per-MoE-layer units would break the compiled "
-            "blocks); use compile=False or ep=1."
-        )
+    if compile and tp > 1:
+        raise ValueError(f"compile=True with tp={tp} is not supported (compiled TP blocks fail in backward); use "
+                         "compile=False or tp=1.")  # fmt: skip
+    if backend not in BACKENDS:
+        raise ValueError(f"compile_backend={backend!r} is not allowed; choose one of {list(BACKENDS)}.")
 
 
 def apply_compile(
-    model: nn.Module, enabled: bool = True, fullgraph: bool = True, backend: str = "inductor"
+    model: nn.Module,
+    enabled: bool = True,
+    fullgraph: bool = True,
+    backend: str = "inductor",
+    expert_parallel: bool = False,
 ) -> list[str]:
-    """Compile every block of ``model.layers`` in place with ``block.compile()``.
+    """Compile every block of ``model.layers`` in place with ``block.compile()`` (piecewise around FSDP2 units).
+
+    A block in which FSDP2 will make units of their own (with ``expert_parallel``: each MoE layer and its
+    experts, :func:`~kempnerforge.parallel.fsdp.block_inner_units`) is compiled piecewise instead: its largest
+    submodules that hold no such unit (attention, the norms, a dense feed-forward; inside the MoE layer the router,
+    the shared experts and their gate), so FSDP2's hooks, the EP all-to-all and the grouped GEMM run eagerly
+    between compiled pieces (see the module docstring).
 
     With ``enabled=False`` only the step's place in the chain is recorded. With MoE layers, two process-wide
     dynamo settings are switched on (see the module docstring); they change nothing for dense blocks.
@@ -66,9 +89,11 @@ def apply_compile(
         enabled: compile (the strategy's ``compile`` argument).
         fullgraph: refuse graph breaks inside a block (a break would silently cost speed).
         backend: ``torch.compile`` backend (``"inductor"``; tests use ``"aot_eager"`` to skip code generation).
+        expert_parallel: ``ep > 1`` (FSDP2 will shard MoE layers and experts as units inside the blocks).
 
     Returns:
-        Names (keys in ``model.layers``) of the compiled blocks (empty when not enabled).
+        Names of the compiled modules relative to ``model.layers``: a block's key (``"0"``), or for a block
+        compiled piecewise its pieces (``"1.attention"``, ``"1.moe.router"``, ...); empty when not enabled.
 
     Raises:
         ValueError: ``model.layers`` missing or empty, or the model has modules declaring
@@ -90,8 +115,37 @@ def apply_compile(
     if any(is_moe_layer(m) for m in model.modules()):
         torch._dynamo.config.capture_scalar_outputs = True  # EP split sizes as unbacked symbols
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True  # aux_loss / stats once
+    options = {"fullgraph": fullgraph, "backend": backend}
     names = []
     for name, block in layers.named_children():
-        block.compile(fullgraph=fullgraph, backend=backend)
-        names.append(name)
+        units = {id(m) for m in block_inner_units(block, expert_parallel)}
+        if not units:
+            block.compile(**options)
+            names.append(name)
+        else:
+            # The router stays eager too: under AC its recomputation gets the forward's expert choice as an input,
+            # a second graph saving other tensors than the first, which the eager checkpoint refuses.
+            eager = {id(m.router) for m in block.modules() if is_moe_layer(m)}
+            names += [f"{name}.{piece}" for piece in _compile_around(block, units, eager, options)]
     return names
+
+
+def _compile_around(module: nn.Module, units: set[int], eager: set[int], options: dict) -> list[str]:
+    """Compile in place every largest submodule of ``module`` that holds none of ``units`` (ids of modules that
+    will be FSDP2 units), is not in ``eager`` (ids of modules left uncompiled) and is callable; return their names
+    relative to ``module`` (CheckpointWrapper's ``_checkpoint_wrapped_module.`` prefix dropped, as in state-dict
+    keys)."""
+    names = []
+    for name, child in module.named_children():
+        holds_unit = any(id(m) in units for m in child.modules())
+        if id(child) in eager:
+            continue
+        if holds_unit or isinstance(child, nn.ModuleDict | nn.ModuleList):  # containers have no forward
+            names += [f"{name}.{piece}" for piece in _compile_around(child, units, eager, options)]
+        else:
+            child.compile(**options)
+            names.append(name)
+    return [n.removeprefix(_AC_PREFIX) for n in names]
+
+
+_AC_PREFIX = "_checkpoint_wrapped_module."

@@ -79,10 +79,41 @@ def _expert_placements(root: nn.Module, degree: int) -> Callable[[nn.Parameter],
     under ``root``, FSDP2's default ``Shard(0)`` (None) for every other parameter; None without experts."""
     placement: dict[nn.Parameter, Shard] = {}
     for moe in (m for m in root.modules() if is_moe_layer(m)):
-        for p in moe.experts.parameters():
-            local = p.to_local() if isinstance(p, DTensor) else p
-            placement[p] = Shard(expert_shard_dim(tuple(local.shape), degree))
+        placement.update(_expert_shards(moe.experts, degree))
     return placement.get if placement else None
+
+
+def _expert_placements_of(experts: nn.Module, degree: int) -> Callable[[nn.Parameter], Shard | None]:
+    """``shard_placement_fn`` for one MoE layer's ``experts`` unit (see :func:`_expert_placements`)."""
+    return _expert_shards(experts, degree).get
+
+
+def _expert_shards(experts: nn.Module, degree: int) -> dict[nn.Parameter, Shard]:
+    placement = {}
+    for p in experts.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        placement[p] = Shard(expert_shard_dim(tuple(local.shape), degree))
+    return placement
+
+
+def block_inner_units(block: nn.Module, expert_parallel: bool) -> list[nn.Module]:
+    """The submodules of one block that :func:`apply_fsdp` makes FSDP2 units of their own, inner before outer.
+
+    With expert parallelism every MoE layer's ``experts`` (on the expert-FSDP mesh), then the MoE layer itself
+    (router, shared experts); without it none (the block is one unit). Per-block compile
+    (:func:`~kempnerforge.parallel.compile.apply_compile`) keeps these modules' calls out of compiled code:
+    FSDP2's hooks run on them and cannot be traced.
+
+    Args:
+        block: one entry of ``model.layers`` (possibly wrapped by activation checkpointing).
+        expert_parallel: ``ep > 1``.
+
+    Returns:
+        The modules, ``[experts_0, moe_0, experts_1, moe_1, ...]`` (empty without EP or MoE layers).
+    """
+    if not expert_parallel:
+        return []
+    return [unit for moe in block.modules() if is_moe_layer(moe) for unit in (moe.experts, moe)]
 
 
 def _decoder_ends(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
@@ -165,10 +196,12 @@ def apply_fsdp(
         if expert_mesh is None:
             shard(block, reshard=reshard, shard_placement_fn=_expert_placements(block, dense_degree))
             continue
-        for moe in (m for m in block.modules() if is_moe_layer(m)):
-            placements = _expert_placements(moe, expert_mesh.size(expert_mesh.ndim - 1))  # HSDP: dp_shard_mod_ep
-            shard(moe.experts, on=expert_mesh, shard_placement_fn=placements)
-            shard(moe)
+        for unit in block_inner_units(block, expert_parallel=True):
+            if is_moe_layer(unit):
+                shard(unit)
+                continue
+            placements = _expert_placements_of(unit, expert_mesh.size(expert_mesh.ndim - 1))  # HSDP: dp_shard_mod_ep
+            shard(unit, on=expert_mesh, shard_placement_fn=placements)
         shard(block, reshard=reshard)
     shard(model)
 

@@ -228,7 +228,8 @@ def test_strategy_applies_fp8_in_the_chain():
             "ac_every_n=0 is not allowed",
         ),
         ({"compile": "yes"}, ValueError, "compile='yes' is not allowed; use True or False."),
-        ({"compile": True, "ep": 2}, ValueError, "compile=True with ep=2 is not supported"),
+        ({"compile": True, "compile_backend": "cudagraphs"}, ValueError, "compile_backend='cudagraphs' is not allowed"),
+        ({"compile": True, "tp": 2}, ValueError, "compile=True with tp=2 is not supported"),
     ],
 )
 def test_strategy_refuses_bad_chain_settings_at_construction(kwargs, error, message):
