@@ -83,6 +83,9 @@ def run_tool(name: str, argv: list[str]) -> None:
     Raises:
         SystemExit: code 2 with one line when the tool is not part of this installation.
     """
+    from kempnerforge.console import filter_tool_warnings  # imports neither torch nor Lightning
+
+    filter_tool_warnings()  # before the tool's imports: torchao's and torch's import-time notices go too
     module_name, func = TOOLS[name][1].split(":")
     try:
         module = importlib.import_module(module_name)
