@@ -74,7 +74,10 @@ def bad_files(tmp_path) -> dict[str, Path]:
     DCPCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(8)}, "lr_schedulers": []}, good)
     meta = good / "meta.pt"
     meta.write_bytes(meta.read_bytes()[:20])
-    return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good}
+    tokens = tmp_path / "tokens"  # a token folder whose metadata.json was cut short
+    tokens.mkdir()
+    (tokens / "metadata.json").write_text('{"shards": [')
+    return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good, "tokens": tokens}
 
 
 # (recipe, extra arguments, substrings the one line must hold: the field, and the file or value)
@@ -102,6 +105,14 @@ CASES = {
         ["--data.data_dir={empty}", "--data.source=null", "--data.tokenizer=null"],
         ["data.data_dir:", "metadata.json"],
     ),  # fmt: skip
+    "data_dir_metadata": (
+        "debug",
+        ["--data.data_dir={tokens}", "--data.source=null", "--data.tokenizer=null"],
+        ["data.data_dir:", "metadata.json", "is not valid JSON"],
+    ),  # fmt: skip
+    "source_without_tokenizer": ("debug", ["--data.tokenizer=null"], ["data.tokenizer:", "go together"]),
+    "micro_batch_size": ("debug", ["--data.micro_batch_size=0"], ["data.micro_batch_size:", "got 0"]),
+    "val_fraction": ("debug", ["--data.val_fraction=1.0"], ["data.val_fraction:", "[0, 1)"]),
     "source": (
         "debug",
         ["--data.data_dir={empty}", "--data.source=/nonexistent/corpus.txt"],
