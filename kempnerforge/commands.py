@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 #: LightningCLI subcommands (trainer methods), with one line of help each.
 LIGHTNING_COMMANDS: dict[str, str] = {
@@ -115,4 +116,21 @@ def run_without_lightning(args: list[str]) -> bool:
     if args[0] in TOOLS:
         run_tool(args[0], args[1:])
         return True
+    if not args[0].startswith("-") and args[0] not in LIGHTNING_COMMANDS:
+        refuse_unknown_command(args[0])
     return False
+
+
+def refuse_unknown_command(name: str) -> NoReturn:
+    """One line naming every command (the tools too; Lightning's parser lists only its own), before any import.
+
+    Raises:
+        SystemExit: code 2, always.
+    """
+    import difflib
+
+    names = [*LIGHTNING_COMMANDS, *TOOLS]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    print(f"kforge: error: {name}: unknown command; {hint}choose one of {', '.join(names)}", file=sys.stderr)
+    raise SystemExit(2)

@@ -262,6 +262,19 @@ def test_kforge_help_lists_every_command_without_importing_torch():
     print(f"kforge --help: {wall:.2f} s for the whole interpreter ({out.splitlines()[-2]})")
 
 
+@pytest.mark.parametrize(("command", "hint"), [("fitt", "did you mean fit? "), ("bogus", "")])
+def test_an_unknown_command_is_one_line_naming_every_command_without_importing_lightning(command, hint):
+    code = (
+        "import sys; from kempnerforge.entry import main\n"
+        f"try: main([{command!r}, '--config', 'configs/debug.yaml'])\n"
+        "except SystemExit as e: print('exit', e.code, 'lightning imported', 'lightning' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "exit 2 lightning imported False", proc.stdout + proc.stderr
+    names = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
+    assert proc.stderr.splitlines() == [f"kforge: error: {command}: unknown command; {hint}choose one of {names}"]
+
+
 def test_fit_help_names_real_fields():
     proc = kforge_in_process("fit", "--config", "configs/debug.yaml", "--help")
     assert proc.returncode == 0
