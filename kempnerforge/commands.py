@@ -82,7 +82,8 @@ def run_tool(name: str, argv: list[str]) -> None:
     """Import and run tool ``name`` (a key of :data:`TOOLS`) with ``argv``.
 
     Raises:
-        SystemExit: code 2 with one line when the tool is not part of this installation.
+        SystemExit: code 2 with one line when the tool is not part of this installation or ends in a user error
+            (:func:`~kempnerforge.cli_errors.is_user_error`: a missing or corrupt checkpoint, bad data).
     """
     from kempnerforge.console import filter_tool_warnings  # imports neither torch nor Lightning
 
@@ -95,7 +96,19 @@ def run_tool(name: str, argv: list[str]) -> None:
             raise
         print(f"kforge: error: {name}: this installation has no {module_name}", file=sys.stderr)
         raise SystemExit(2) from err
-    getattr(module, func)(argv)
+    try:
+        getattr(module, func)(argv)
+    except Exception as err:
+        from kempnerforge.cli_errors import error_line, is_user_error
+
+        if not is_user_error(err, during_setup=False):
+            raise
+        # A missing or corrupt checkpoint, bad data: one line, exit 2; the tools call fit's ckpt_path --ckpt.
+        line = error_line(err)
+        if "--ckpt" in argv and line.startswith("kforge: error: ckpt_path: "):
+            line = "kforge: error: --ckpt: " + line.removeprefix("kforge: error: ckpt_path: ")
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(2) from err
 
 
 def run_without_lightning(args: list[str]) -> bool:

@@ -182,6 +182,34 @@ def test_bad_input_is_one_line_before_anything_starts(case, tmp_path, bad_files,
     assert started == [], f"{started} ran before the refusal"
 
 
+TOOL_CASES = {
+    "generate_missing": (["generate", "--ckpt", "/nonexistent/ckpt", "--prompt", "hi"], ["--ckpt:", "/nonexistent"]),
+    "generate_corrupt_meta": (["generate", "--ckpt", "{corrupt}", "--prompt", "hi"], ["--ckpt:", "meta.pt"]),
+    "eval_truncated_shard": (["eval", "--ckpt", "{truncated}"], ["--ckpt:", ".distcp is truncated"]),
+    "convert_partial": (["convert", "dcp-to-hf", "--ckpt", "{partial}", "--output_dir", "{empty}/hf"], ["--ckpt:"]),
+    "convert_dtype": (["convert", "dcp-to-hf", "--ckpt", "x", "--output_dir", "y", "--dtype", "float8"], ["--dtype:"]),
+    "generate_top_p": (["generate", "--ckpt", "x", "--prompt", "hi", "--top_p", "2"], ["--top_p:", "top_p=2.0"]),
+    "generate_abbreviation": (["generate", "--ck", "x", "--prompt", "hi"], ["--ckpt:", "are required: --ckpt"]),
+    "check_env_option": (["check-env", "--bogus"], ["--bogus:", "unknown option"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TOOL_CASES))
+def test_tools_bad_input_is_one_line(case, bad_files, tmp_path):
+    """generate / eval / convert / check-env: a missing, half-written or corrupt checkpoint (a truncated shard is
+    named before DCP's read fails with a bare EOFError) and a bad option value are one line, exit 2, no usage block."""
+    truncated = tmp_path / "t" / "step=000004.ckpt"
+    DCPCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(64)}, "lr_schedulers": []}, truncated)
+    (shard,) = truncated.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:10])
+    args, expected = TOOL_CASES[case]
+    proc = kforge_in_process(*[a.format(truncated=truncated, **bad_files) for a in args])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("kforge: error: "), proc.stderr[-3000:]
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+
+
 def test_a_checkpoint_folder_without_room_for_one_checkpoint_is_refused(tmp_path, started, monkeypatch):
     """The estimate (7.2M parameters x 4 bytes x (1 + 2 AdamW states) = 86 MB for debug.yaml) against free bytes."""
     import shutil
