@@ -16,9 +16,11 @@ Anything else (an error inside training, a bug) keeps its traceback. For errors 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 import sys
+from typing import Any, NoReturn
 
 #: Typed errors of the library that only describe the user's input (class names, any module).
 USER_ERROR_TYPES = frozenset(
@@ -130,6 +132,43 @@ def argparse_error_line(message: str) -> str:
     """``kforge: error: <option>: <message>`` for a jsonargparse / argparse error message (any number of lines)."""
     field, text = _argparse_line(message)
     return f"kforge: error: {field}: {text}"
+
+
+def tool_error_line(message: str, command: str) -> str:
+    """``kforge: error: <option>: <message>`` for an error of a tool's argparse parser (:class:`ToolArgumentParser`):
+    the option argparse names (``argument --dtype: ...``), the first missing required one, an unknown option, an
+    option the tool's own check names first (``--seq_len is needed``, ``SamplingConfig.top_p=2.0 ...`` ->
+    ``--top_p``); else ``command``."""
+    text = " ".join(message.split())
+    named = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", text)
+    if named:
+        return f"kforge: error: {named.group(1)}: {named.group(2)}"
+    required = re.match(r"the following arguments are required: ([^,\s]+)", text)
+    unknown = re.match(r"unrecognized arguments: (\S+)", text)
+    own = re.match(r"(--\w+)\b", text) or re.match(r"[A-Z]\w*\.(\w+)=", text)
+    if required:
+        return f"kforge: error: {required.group(1)}: {text}"
+    if unknown:
+        return f"kforge: error: {unknown.group(1)}: unknown option {text.split(': ', 1)[1]} (kforge {command} --help)"
+    if own:
+        option = own.group(1) if own.group(1).startswith("--") else f"--{own.group(1)}"
+        return f"kforge: error: {option}: {text}"
+    return f"kforge: error: {command}: {text}"
+
+
+class ToolArgumentParser(argparse.ArgumentParser):
+    """argparse for the ``kforge`` tools: errors are one line (:func:`tool_error_line`) and exit status 2, without
+    the usage block; no abbreviated options. Sub-parsers (``kforge convert dcp-to-hf``) inherit it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """Print one line and exit 2."""
+        command = self.prog.removeprefix("kforge ").split(" ")[0]
+        print(tool_error_line(message, command), file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def error_line(exc: BaseException) -> str:

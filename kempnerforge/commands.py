@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 #: LightningCLI subcommands (trainer methods), with one line of help each.
 LIGHTNING_COMMANDS: dict[str, str] = {
@@ -81,8 +82,12 @@ def run_tool(name: str, argv: list[str]) -> None:
     """Import and run tool ``name`` (a key of :data:`TOOLS`) with ``argv``.
 
     Raises:
-        SystemExit: code 2 with one line when the tool is not part of this installation.
+        SystemExit: code 2 with one line when the tool is not part of this installation or ends in a user error
+            (:func:`~kempnerforge.cli_errors.is_user_error`: a missing or corrupt checkpoint, bad data).
     """
+    from kempnerforge.console import filter_tool_warnings  # imports neither torch nor Lightning
+
+    filter_tool_warnings()  # before the tool's imports: torchao's and torch's import-time notices go too
     module_name, func = TOOLS[name][1].split(":")
     try:
         module = importlib.import_module(module_name)
@@ -91,7 +96,19 @@ def run_tool(name: str, argv: list[str]) -> None:
             raise
         print(f"kforge: error: {name}: this installation has no {module_name}", file=sys.stderr)
         raise SystemExit(2) from err
-    getattr(module, func)(argv)
+    try:
+        getattr(module, func)(argv)
+    except Exception as err:
+        from kempnerforge.cli_errors import error_line, is_user_error
+
+        if not is_user_error(err, during_setup=False):
+            raise
+        # A missing or corrupt checkpoint, bad data: one line, exit 2; the tools call fit's ckpt_path --ckpt.
+        line = error_line(err)
+        if "--ckpt" in argv and line.startswith("kforge: error: ckpt_path: "):
+            line = "kforge: error: --ckpt: " + line.removeprefix("kforge: error: ckpt_path: ")
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(2) from err
 
 
 def run_without_lightning(args: list[str]) -> bool:
@@ -112,4 +129,21 @@ def run_without_lightning(args: list[str]) -> bool:
     if args[0] in TOOLS:
         run_tool(args[0], args[1:])
         return True
+    if not args[0].startswith("-") and args[0] not in LIGHTNING_COMMANDS:
+        refuse_unknown_command(args[0])
     return False
+
+
+def refuse_unknown_command(name: str) -> NoReturn:
+    """One line naming every command (the tools too; Lightning's parser lists only its own), before any import.
+
+    Raises:
+        SystemExit: code 2, always.
+    """
+    import difflib
+
+    names = [*LIGHTNING_COMMANDS, *TOOLS]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    print(f"kforge: error: {name}: unknown command; {hint}choose one of {', '.join(names)}", file=sys.stderr)
+    raise SystemExit(2)

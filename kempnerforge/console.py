@@ -26,10 +26,29 @@ HARMLESS_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     ),
 )
 
+#: Python warnings filtered in the tools (``kforge generate / convert / eval``, :func:`filter_tool_warnings`): they
+#: run in one process without a process group by design, and DCP says so on every load and save.
+TOOL_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    (
+        UserWarning,
+        "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single "
+        "process.",
+    ),
+    (
+        UserWarning,
+        "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single "
+        "process.",
+    ),
+)
+
 #: Log records filtered: logger name -> patterns matched against the whole message (``re.fullmatch``).
 HARMLESS_LOGS: dict[str, tuple[str, ...]] = {
     # Lightning's advertisement, printed by every Trainer that has no LitLogger.
     "lightning.pytorch.utilities.rank_zero": (
+        # Lightning names the ckpt_path it was given; with --ckpt_path auto that is the word "auto", and the
+        # "Auto-resume: ..." line says what was (or was not) restored.
+        re.escape("Restoring states from the checkpoint path at auto"),
+        re.escape("Restored all states from the checkpoint at auto"),
         re.escape(
             "💡 Tip: For seamless cloud logging and experiment tracking, try installing "
             "[litlogger](https://pypi.org/project/litlogger/) to enable LitLogger, which logs metrics and "
@@ -114,6 +133,13 @@ def filter_harmless_warnings(rank: int | None = None) -> None:
     if (env_rank() if rank is None else rank) > 0:
         for category in CODE_WARNING_CATEGORIES:
             warnings.filterwarnings("ignore", category=category)
+
+
+def filter_tool_warnings() -> None:
+    """:func:`filter_harmless_warnings` plus :data:`TOOL_WARNINGS`, for the one-process tools (no process group)."""
+    filter_harmless_warnings()
+    for category, message in TOOL_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z", category=category)
 
 
 def filter_resume_warning() -> None:

@@ -76,6 +76,8 @@ def check_paths(module: Any, datamodule: Any) -> None:
         src_dir = getattr(src, "data_dir", None)
         if isinstance(src_dir, str) and not (Path(src_dir) / "metadata.json").is_file():
             raise PathError(f"data.sources[{i}].data_dir", f"{src_dir} holds no prepared shards (metadata.json)")
+        if isinstance(src_dir, str):
+            _check_metadata(f"data.sources[{i}].data_dir", src_dir)
     if source is None and isinstance(data_dir, str) and not getattr(dm, "sources", None):
         if not (Path(data_dir) / "metadata.json").is_file():
             raise PathError(
@@ -83,6 +85,21 @@ def check_paths(module: Any, datamodule: Any) -> None:
                 f"{data_dir} holds no prepared token shards (metadata.json): run kforge prepare-data --output_dir "
                 f"{data_dir}, or set data.source and data.tokenizer to prepare it at the start",
             )
+        _check_metadata("data.data_dir", data_dir)
+
+
+def _check_metadata(field: str, data_dir: str) -> None:
+    """``data_dir/metadata.json`` parses and lists shards (one small file; no shard is opened).
+
+    Raises:
+        PathError: naming ``field``, when the record is not valid JSON or lacks what the dataset reads.
+    """
+    from kempnerforge.data.memmap import TokenDataError, read_metadata
+
+    try:
+        read_metadata(data_dir)
+    except TokenDataError as err:
+        raise PathError(field, f"{err}; prepare it again (kforge prepare-data --output_dir {data_dir})") from err
 
 
 def check_ckpt_path(strategy: Any, ckpt_path: Any, world: WorldSpec) -> None:

@@ -85,6 +85,21 @@ def build_model(config: ModelConfig, device: torch.device | str = "cpu") -> Tran
     return model
 
 
+def resolve_and_verify(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint directory ``path`` names (a checkpoint or the folder holding ``latest``) and its ``meta.pt``,
+    after checking its files without reading a tensor (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`),
+    so a truncated or missing shard is named instead of failing inside DCP's read.
+
+    Raises:
+        CheckpointError: missing or incomplete (:meth:`DCPCheckpointIO.resolve`).
+        CorruptCheckpointError: a missing or truncated shard, an unreadable ``meta.pt`` or rank file (names it).
+    """
+    from kempnerforge.checkpoint.verify import verify_checkpoint
+
+    resolved = DCPCheckpointIO().resolve(path)
+    return resolved, verify_checkpoint(resolved)
+
+
 def load_checkpoint_model(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> LoadedCheckpoint:
@@ -96,12 +111,12 @@ def load_checkpoint_model(
         dtype: cast floating parameters to this dtype after loading (None: as saved, fp32 in training).
 
     Raises:
-        CheckpointError: incomplete or missing checkpoint (:meth:`DCPCheckpointIO.resolve`).
+        CheckpointError: incomplete or missing checkpoint (:meth:`DCPCheckpointIO.resolve`); its subclass
+            CorruptCheckpointError for a missing or truncated file (:func:`resolve_and_verify`).
         ValueError: no model config in the checkpoint (:func:`model_config_from_meta`).
         RuntimeError: DCP misses a model key or a shape differs.
     """
-    resolved = DCPCheckpointIO().resolve(path)
-    meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
+    resolved, meta = resolve_and_verify(path)
     config = model_config_from_meta(meta, resolved)
     model = build_model(config, device)
     load_model_state(model, resolved, "output.weight" if config.tie_embeddings else None, meta)
@@ -181,8 +196,7 @@ def schedule_free_eval_weights_(model: torch.nn.Module, resolved: Path, meta: di
 
 def is_vlm_checkpoint(path: str | Path) -> bool:
     """True when the checkpoint was written by :class:`kempnerforge.module.VisionLanguage`."""
-    resolved = DCPCheckpointIO().resolve(path)
-    meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
+    resolved, meta = resolve_and_verify(path)
     return isinstance((meta.get("hyper_parameters") or {}).get("vlm"), dict)
 
 
@@ -201,8 +215,7 @@ def load_vlm_checkpoint(path: str | Path, device: torch.device | str = "cpu") ->
     from kempnerforge.config.vlm import VLMConfig
     from kempnerforge.model.vlm.model import VisionLanguageModel
 
-    resolved = DCPCheckpointIO().resolve(path)
-    meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
+    resolved, meta = resolve_and_verify(path)
     hp = meta.get("hyper_parameters") or {}
     if not isinstance(hp.get("vlm"), dict):
         raise ValueError(f"{resolved}: not a VisionLanguage checkpoint (no hyper_parameters['vlm'])")

@@ -19,6 +19,7 @@ from kempnerforge.data.memmap import MemmapTokenDataset
 from kempnerforge.data.prepare import METADATA_FILE, is_prepare_artifact
 from kempnerforge.data.prepare import prepare_data as _prepare_shards
 from kempnerforge.data.sources import source_fingerprint
+from kempnerforge.errors import UserError
 
 
 class ResumableDistributedSampler(StatefulDistributedSampler):
@@ -107,13 +108,16 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         _check_positive(seq_len=seq_len, micro_batch_size=micro_batch_size)
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise UserError("data.val_fraction", f"val_fraction must be in [0, 1), got {val_fraction}")
         if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+            raise UserError("data.num_workers", f"num_workers must be >= 0, got {num_workers}")
         if vocab_size is not None:
             _check_positive(vocab_size=vocab_size)
         if (source is None) != (tokenizer is None):
-            raise ValueError("source and tokenizer go together: give both (to prepare data_dir) or neither")
+            raise UserError(
+                "data.tokenizer" if tokenizer is None else "data.source",
+                "source and tokenizer go together: give both (to prepare data_dir) or neither",
+            )
         self.save_hyperparameters()
         self.data_dir, self.seq_len, self.micro_batch_size = data_dir, seq_len, micro_batch_size
         self.val_fraction, self.num_workers, self.data_seed, self.vocab_size = (
@@ -272,4 +276,4 @@ def dp_rank_and_size(trainer: Any) -> tuple[int, int]:
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise UserError(f"data.{name}", f"{name} must be a positive integer, got {value!r}")

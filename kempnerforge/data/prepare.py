@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -355,7 +356,7 @@ def _prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise FileExistsError(
             f"output_dir {str(output_dir)!r} is not empty ({len(entries)} entries: {shown}); "
-            "pass overwrite=True to replace a previous preparation"
+            "pass overwrite=True (kforge prepare-data --overwrite true) to replace a previous preparation"
         )
     (output_dir / METADATA_FILE).unlink(missing_ok=True)
     for name in entries:
@@ -509,12 +510,31 @@ def prepare_main(argv: list[str] | None = None) -> None:
     """
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    parser = ArgumentParser(prog="kforge prepare-data", description=prepare_data.__doc__.split("\n\n")[0])
+    from kempnerforge.cli_errors import argparse_error_line
+
+    class Parser(ArgumentParser):
+        def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+            if not self.exit_on_error:  # jsonargparse's inner parsers raise instead
+                super().error(message, ex)
+            print(argparse_error_line(message), file=sys.stderr, flush=True)
+            raise SystemExit(2)
+
+    parser = Parser(prog="kforge prepare-data", description=prepare_data.__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the arguments below.")
     parser.add_function_arguments(prepare_data, as_group=False)
     cfg = parser.parse_args(argv).as_dict()
     cfg.pop("config", None)
-    meta = prepare_data(**cfg)
+    try:
+        meta = prepare_data(**cfg)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, KeyError, TypeError, ValueError) as err:
+        # prepare_data's messages about an argument start with its name: one line naming the option, exit 2.
+        message = " ".join(str(err.args[0] if isinstance(err, KeyError) and err.args else err).split())
+        arg = re.match(r"(source|tokenizer|output_dir|text_field|shard_size|batch_size|text_chunk_chars)\b", message)
+        if arg is None:
+            raise
+        message = message.removeprefix(f"{arg.group(1)}: ")  # "source: '/x' does not exist": named once
+        print(f"kforge: error: --{arg.group(1)}: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from err
     print(
         f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']:,} documents, {len(meta['shards'])} shards, "
         f"{meta['dtype']}) to {Path(cfg['output_dir']).resolve()}"

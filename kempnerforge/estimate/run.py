@@ -85,15 +85,23 @@ def roles(build: RankBuild) -> list[int]:
 
 
 def simulate_rank(
-    fit_args: list[str], num_nodes: int, devices: int, rank: int, progress: Callable[[str], None] = _quiet
+    fit_args: list[str],
+    num_nodes: int,
+    devices: int,
+    rank: int,
+    progress: Callable[[str], None] = _quiet,
+    announce: str | None = None,
 ) -> tuple[RankBuild, RoleEstimate]:
-    """Build and step one simulated rank in its own fake world (torn down on return or error)."""
+    """Build and step one simulated rank in its own fake world (torn down on return or error); ``announce``, if
+    given, is the first line sent to ``progress``, once the configuration passed the checks."""
     world = num_nodes * devices
     with fake_world(world, rank):
         try:
             build = open_rank(simulation_args(fit_args, num_nodes, devices), num_nodes, devices, rank)
         except (ValueError, TypeError) as err:
             raise EstimateConfigError(str(err)) from err
+        if announce is not None:
+            progress(announce)
         mesh = build.strategy.parallel_mesh
         coords = ", ".join(
             f"{k}={v}" for k, v in mesh.coordinates().items() if mesh.dims.shape[list(mesh.coordinates()).index(k)] > 1
@@ -127,7 +135,8 @@ def estimate(
             ``trainer.accelerator / devices / num_nodes`` are set by the estimate.
         num_nodes, devices: the simulated cluster.
         gpu_memory_gb: memory of one GPU (GB = 1e9 bytes) for the verdict.
-        progress: receives one line per phase.
+        progress: receives one line per phase, the first once the configuration passed ``kforge fit``'s checks
+            (nothing before: a refused configuration gets no progress line).
         alternatives: when it does not fit, simulate the in-config alternatives (AC, micro-batch, chunked loss)
             on the worst role (one more step each); False: reason from the breakdown only.
 
@@ -138,8 +147,9 @@ def estimate(
     from kempnerforge.estimate.verdict import verdict
 
     start = time.perf_counter()
-    progress(f"simulating {num_nodes} x {devices} = {num_nodes * devices} ranks")
-    build, first = simulate_rank(fit_args, num_nodes, devices, 0, progress)
+    # Announced once the checks passed, so a refused configuration prints its error line and nothing else.
+    announce = f"simulating {num_nodes} x {devices} = {num_nodes * devices} ranks"
+    build, first = simulate_rank(fit_args, num_nodes, devices, 0, progress, announce)
     results = [first]
     for rank in roles(build)[1:]:
         results.append(simulate_rank(fit_args, num_nodes, devices, rank, progress)[1])

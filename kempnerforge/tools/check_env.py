@@ -13,7 +13,6 @@ that cannot be written).
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kempnerforge.cli_errors import ToolArgumentParser
 
 OK, WARN, MISSING = "OK", "WARN", "MISSING"
 #: Filesystems that several nodes share (from ``/proc/mounts``); checkpoints elsewhere are node-local.
@@ -142,7 +143,7 @@ def exit_code(checks: list[Check], strict: bool) -> int:
 
 def check_env_main(argv: list[str] | None = None) -> int:
     """Entry point of ``kforge check-env``: prints the report and exits with :func:`exit_code`."""
-    p = argparse.ArgumentParser(prog="kforge check-env", description=__doc__.split("\n\n")[0])
+    p = ToolArgumentParser(prog="kforge check-env", description=__doc__.split("\n\n")[0])
     p.add_argument("--accelerator", default="auto", choices=("auto", "gpu", "cpu"),
                    help="gpu: a missing CUDA device / NCCL is MISSING (exit 2); auto/cpu: WARN")  # fmt: skip
     p.add_argument("--ckpt_dir", default="checkpoints", help="where checkpoints will be written")

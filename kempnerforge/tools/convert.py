@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 
 from kempnerforge.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp
+from kempnerforge.cli_errors import ToolArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``kforge convert`` (two subcommands)."""
-    p = argparse.ArgumentParser(prog="kforge convert", description=__doc__.split("\n\n")[0])
+    p = ToolArgumentParser(prog="kforge convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="direction", required=True)
     out = sub.add_parser("dcp-to-hf", help="checkpoint -> transformers directory (safetensors)")
     out.add_argument("--ckpt", required=True, help="checkpoint directory, or the folder holding `latest`")

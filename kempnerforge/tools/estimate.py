@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 #: Exit status when the configuration does not fit.
@@ -55,6 +56,12 @@ def _check(args: argparse.Namespace, fit_args: list[str], parser: argparse.Argum
             parser.error(f"--{name}={getattr(args, name)}: must be an integer >= 1")
     if not args.gpu_memory_gb > 0:
         parser.error(f"--gpu_memory_gb={args.gpu_memory_gb}: must be a number > 0")
+    if args.json is not None:
+        parent = Path(args.json).parent
+        if Path(args.json).is_dir():
+            parser.error(f"--json={args.json}: is a folder; give the path of the JSON file to write")
+        if not parent.is_dir():
+            parser.error(f"--json={args.json}: the folder {parent} does not exist (create it first)")
     if not any(a == "--config" or a.startswith("--config=") for a in fit_args):
         parser.error("--config: give the recipe to estimate (e.g. --config configs/llama3_8b.yaml)")
     for flag in ("--trainer.devices", "--trainer.num_nodes", "--trainer.accelerator"):
@@ -75,11 +82,16 @@ def estimate_main(argv: list[str]) -> None:
     args, fit_args = parser.parse_known_args(argv)
     _check(args, fit_args, parser)
 
+    from kempnerforge.cli_errors import HeldLogs, exit_with_error
     from kempnerforge.estimate import estimate, format_text
     from kempnerforge.estimate.fake_ops import FakeTensorLimitError
     from kempnerforge.estimate.run import EstimateConfigError
 
+    # Lightning's start-up lines wait for the first progress line (the checks passed), as under `kforge fit`.
+    held = HeldLogs().hold()
+
     def progress(message: str) -> None:
+        held.show()
         print(f"[estimate] {message}", file=sys.stderr, flush=True)
 
     try:
@@ -92,10 +104,18 @@ def estimate_main(argv: list[str]) -> None:
             alternatives=not args.no_alternatives,
         )
     except EstimateConfigError as err:
-        parser.error(str(err))
+        held.drop()
+        exit_with_error(err.__cause__ or err)  # the field first, as kforge fit names it
     except FakeTensorLimitError as err:  # not bad input: a limit of the simulation, named
+        held.show()
         print(f"kforge: error: {err}", file=sys.stderr)
         raise SystemExit(1) from err
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            held.drop()  # a parse error: its one line is printed already
+        raise
+    finally:
+        held.show()
     print(format_text(est))
     if args.json:
         est.write_json(args.json)

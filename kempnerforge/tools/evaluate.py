@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from kempnerforge.checkpoint.load import load_checkpoint_model
+from kempnerforge.cli_errors import ToolArgumentParser
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.data.prepare import prepare_data
 from kempnerforge.training.loss import IGNORE_INDEX, token_cross_entropy_sum
@@ -101,7 +102,7 @@ def eval_windows(data_dir: str, seq_len: int, val_fraction: float, split: str, d
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``kforge eval``."""
-    p = argparse.ArgumentParser(prog="kforge eval", description=__doc__.split("\n\n")[0])
+    p = ToolArgumentParser(prog="kforge eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint directory, or the folder holding `latest`")
     p.add_argument("--data_dir", default=None, help="memmap token shards (default: the run's data_dir)")
     p.add_argument("--source", default=None, help="text / jsonl / parquet / save_to_disk data to tokenize first")

@@ -19,12 +19,14 @@ import torch
 
 from kempnerforge.checkpoint.convert import dtype_from_name
 from kempnerforge.checkpoint.load import is_vlm_checkpoint, load_checkpoint_model, load_vlm_checkpoint
+from kempnerforge.cli_errors import ToolArgumentParser
+from kempnerforge.errors import UserError
 from kempnerforge.model.generate import SamplingConfig, generate, left_pad
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``kforge generate``."""
-    p = argparse.ArgumentParser(prog="kforge generate", description=__doc__.split("\n\n")[0])
+    p = ToolArgumentParser(prog="kforge generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint directory, or the folder holding `latest`")
     p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch (left-padded)")
     p.add_argument("--interactive", action="store_true", help="read prompts from stdin, one per line")
@@ -53,10 +55,10 @@ def load_tokenizer(path: str | None):
     """``AutoTokenizer`` from a local directory (never downloads).
 
     Raises:
-        ValueError: no directory given and none recorded in the checkpoint.
+        UserError: (a ValueError) no directory given and none recorded in the checkpoint.
     """
     if path is None:
-        raise ValueError("no tokenizer: pass --tokenizer DIR (the checkpoint records none)")
+        raise UserError("--tokenizer", "no tokenizer: pass --tokenizer DIR (the checkpoint records none)")
     from transformers import AutoTokenizer  # local import: transformers is slow to import
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -32,6 +32,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.optim.lr_scheduler import LambdaLR
 
+from kempnerforge.errors import UserError
+
 DECAYS = ("cosine", "linear", "wsd", "rex", "constant", "none")
 WSD_SHAPES = ("cosine", "linear", "sqrt")
 
@@ -130,7 +132,8 @@ class WarmupDecayLR(LambdaLR):
             the step, so a resume replays it.
 
     Raises:
-        ValueError: in :meth:`load_state_dict`, when the checkpoint's schedule (family, warmup,
+        UserError: (a ValueError naming the first differing ``model.scheduler.*`` field) in :meth:`load_state_dict`,
+            when the checkpoint's schedule (family, warmup,
             total_steps, ...) differs from this one: resuming would jump to another curve. A checkpoint with
             another number of param groups (another mesh) loads: every group follows the same curve.
     """
@@ -156,10 +159,12 @@ class WarmupDecayLR(LambdaLR):
         if saved is not None and saved != self.schedule:
             diff = {k: (saved.get(k), v) for k, v in self.schedule.items() if saved.get(k) != v}
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(
+            # A user error (one line under kforge): typically an auto-resume into a folder a shorter run filled.
+            raise UserError(
+                f"model.scheduler.{next(iter(diff))}",
                 f"The checkpoint's LR schedule differs from this run's ({detail}). Resuming would jump to "
                 "another curve: keep trainer.max_steps and model.scheduler.* as saved, or pin "
-                "model.scheduler.total_steps to the saved total_steps."
+                "model.scheduler.total_steps to the saved total_steps, or start fresh with --ckpt_path null.",
             )
         super().load_state_dict(self._per_group(state_dict))
 

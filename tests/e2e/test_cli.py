@@ -85,6 +85,43 @@ def test_prepare_data_hangs_off_the_same_entry_point(tmp_path, shakespeare_text,
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 50257 and meta["num_tokens"] > 1000
 
 
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("output_dir_not_empty", "--output_dir: output_dir '{tok}' is not empty"),
+        ("missing_source", "--source: '/nonexistent/corpus' does not exist"),
+        ("missing_tokenizer", "--tokenizer: '/nonexistent/tok' does not exist"),
+        ("text_field", "--text_field: text_field='body' is not a column"),
+        ("shard_size", "--shard_size: shard_size must be a positive integer, got 0"),
+        ("unknown_option", "--bogus: unknown option"),
+        ("abbreviation", "--out: unknown option"),
+    ],
+)
+def test_prepare_data_bad_input_is_one_line(case, expected, tmp_path, gpt2_tokenizer_dir):
+    """A wrong path or value of ``kforge prepare-data`` is one line naming the option, exit 2 (no traceback)."""
+    src, tok = tmp_path / "a.jsonl", tmp_path / "tok"
+    src.write_text('{"text": "To be, or not to be"}\n')
+    tok.mkdir()
+    (tok / "shard_00000.npy").write_bytes(b"")
+    args = {"--source": str(src), "--tokenizer": str(gpt2_tokenizer_dir), "--output_dir": str(tok)}
+    if case != "output_dir_not_empty":
+        args["--output_dir"] = str(tmp_path / "out")
+    extra = {
+        "missing_source": {"--source": "/nonexistent/corpus"},
+        "missing_tokenizer": {"--tokenizer": "/nonexistent/tok"},
+        "text_field": {"--text_field": "body"},
+        "shard_size": {"--shard_size": "0"},
+        "unknown_option": {"--bogus": "1"},
+    }.get(case, {})
+    argv = [x for kv in {**args, **extra}.items() for x in kv]
+    if case == "abbreviation":
+        argv = [a.replace("--output_dir", "--out") for a in argv]
+    proc = kforge_in_process("prepare-data", *argv)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("kforge: error: " + expected.format(tok=tok)), line
+
+
 @pytest.mark.slow
 def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_tokens):
     """The debug recipe for 8 steps on 2 processes writes a DCP checkpoint that a second run resumes.

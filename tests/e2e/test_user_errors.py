@@ -74,7 +74,10 @@ def bad_files(tmp_path) -> dict[str, Path]:
     DCPCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(8)}, "lr_schedulers": []}, good)
     meta = good / "meta.pt"
     meta.write_bytes(meta.read_bytes()[:20])
-    return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good}
+    tokens = tmp_path / "tokens"  # a token folder whose metadata.json was cut short
+    tokens.mkdir()
+    (tokens / "metadata.json").write_text('{"shards": [')
+    return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good, "tokens": tokens}
 
 
 # (recipe, extra arguments, substrings the one line must hold: the field, and the file or value)
@@ -102,6 +105,14 @@ CASES = {
         ["--data.data_dir={empty}", "--data.source=null", "--data.tokenizer=null"],
         ["data.data_dir:", "metadata.json"],
     ),  # fmt: skip
+    "data_dir_metadata": (
+        "debug",
+        ["--data.data_dir={tokens}", "--data.source=null", "--data.tokenizer=null"],
+        ["data.data_dir:", "metadata.json", "is not valid JSON"],
+    ),  # fmt: skip
+    "source_without_tokenizer": ("debug", ["--data.tokenizer=null"], ["data.tokenizer:", "go together"]),
+    "micro_batch_size": ("debug", ["--data.micro_batch_size=0"], ["data.micro_batch_size:", "got 0"]),
+    "val_fraction": ("debug", ["--data.val_fraction=1.0"], ["data.val_fraction:", "[0, 1)"]),
     "source": (
         "debug",
         ["--data.data_dir={empty}", "--data.source=/nonexistent/corpus.txt"],
@@ -178,6 +189,34 @@ def test_bad_input_is_one_line_before_anything_starts(case, tmp_path, bad_files,
     for text in expected:
         assert text in lines[0], (text, lines[0])
     assert started == [], f"{started} ran before the refusal"
+
+
+TOOL_CASES = {
+    "generate_missing": (["generate", "--ckpt", "/nonexistent/ckpt", "--prompt", "hi"], ["--ckpt:", "/nonexistent"]),
+    "generate_corrupt_meta": (["generate", "--ckpt", "{corrupt}", "--prompt", "hi"], ["--ckpt:", "meta.pt"]),
+    "eval_truncated_shard": (["eval", "--ckpt", "{truncated}"], ["--ckpt:", ".distcp is truncated"]),
+    "convert_partial": (["convert", "dcp-to-hf", "--ckpt", "{partial}", "--output_dir", "{empty}/hf"], ["--ckpt:"]),
+    "convert_dtype": (["convert", "dcp-to-hf", "--ckpt", "x", "--output_dir", "y", "--dtype", "float8"], ["--dtype:"]),
+    "generate_top_p": (["generate", "--ckpt", "x", "--prompt", "hi", "--top_p", "2"], ["--top_p:", "top_p=2.0"]),
+    "generate_abbreviation": (["generate", "--ck", "x", "--prompt", "hi"], ["--ckpt:", "are required: --ckpt"]),
+    "check_env_option": (["check-env", "--bogus"], ["--bogus:", "unknown option"]),
+}
+
+
+@pytest.mark.parametrize("case", list(TOOL_CASES))
+def test_tools_bad_input_is_one_line(case, bad_files, tmp_path):
+    """generate / eval / convert / check-env: a missing, half-written or corrupt checkpoint (a truncated shard is
+    named before DCP's read fails with a bare EOFError) and a bad option value are one line, exit 2, no usage block."""
+    truncated = tmp_path / "t" / "step=000004.ckpt"
+    DCPCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(64)}, "lr_schedulers": []}, truncated)
+    (shard,) = truncated.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:10])
+    args, expected = TOOL_CASES[case]
+    proc = kforge_in_process(*[a.format(truncated=truncated, **bad_files) for a in args])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("kforge: error: "), proc.stderr[-3000:]
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
 
 
 def test_a_checkpoint_folder_without_room_for_one_checkpoint_is_refused(tmp_path, started, monkeypatch):
@@ -258,6 +297,19 @@ def test_kforge_help_lists_every_command_without_importing_torch():
         assert name in TOOLS or name in LIGHTNING_COMMANDS
     assert "torch imported False" in out
     print(f"kforge --help: {wall:.2f} s for the whole interpreter ({out.splitlines()[-2]})")
+
+
+@pytest.mark.parametrize(("command", "hint"), [("fitt", "did you mean fit? "), ("bogus", "")])
+def test_an_unknown_command_is_one_line_naming_every_command_without_importing_lightning(command, hint):
+    code = (
+        "import sys; from kempnerforge.entry import main\n"
+        f"try: main([{command!r}, '--config', 'configs/debug.yaml'])\n"
+        "except SystemExit as e: print('exit', e.code, 'lightning imported', 'lightning' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "exit 2 lightning imported False", proc.stdout + proc.stderr
+    names = ", ".join([*LIGHTNING_COMMANDS, *TOOLS])
+    assert proc.stderr.splitlines() == [f"kforge: error: {command}: unknown command; {hint}choose one of {names}"]
 
 
 def test_fit_help_names_real_fields():

@@ -95,6 +95,60 @@ def test_known_log_records_go_and_others_stay(clean_filters, caplog, monkeypatch
     assert _logged("torch.utils._pytree", enum.replace("Enum subclass", "Enum"), caplog)
 
 
+def test_lightnings_restore_lines_go_only_for_ckpt_path_auto(clean_filters, caplog):
+    """Lightning prints the ckpt_path it was given: for `--ckpt_path auto` the word "auto" (even when the run
+    starts fresh); kforge's own "Auto-resume: ..." line names the checkpoint. A real path keeps its lines."""
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    source = inspect.getsource(_CheckpointConnector)  # the texts filtered are Lightning's own
+    assert 'f"Restoring states from the checkpoint path at {checkpoint_path}"' in source
+    assert '"Restored all states"' in source and 'f"{message} from the checkpoint at {self._ckpt_path}"' in source
+    console.filter_harmless_warnings(rank=0)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        assert not _logged(name, "Restoring states from the checkpoint path at auto", caplog)
+        assert not _logged(name, "Restored all states from the checkpoint at auto", caplog)
+        assert _logged(name, "Restoring states from the checkpoint path at checkpoints/debug", caplog)
+        assert _logged(name, "Restored all states from the checkpoint at checkpoints/auto", caplog)
+
+
+def test_tools_drop_dcps_single_process_notice_and_keep_other_warnings(clean_filters, tmp_path):
+    """generate / convert / eval load and save DCP without a process group by design (``no_dist``); torch warns
+    about that on every call. The tools' filter drops exactly torch's two messages."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def dcp_round_trip() -> list[str]:
+        path = tmp_path / str(len(list(tmp_path.iterdir())))  # a new folder: no "overwriting" warning
+        with warnings.catch_warnings(record=True) as caught:
+            dcp.save({"w": torch.ones(2)}, checkpoint_id=path, no_dist=True)
+            dcp.load({"w": torch.zeros(2)}, checkpoint_id=path, no_dist=True)
+        return [str(w.message) for w in caught]
+
+    assert len([m for m in dcp_round_trip() if "torch.distributed is disabled" in m]) == 2  # what torch says
+    console.filter_harmless_warnings(rank=0)
+    assert any("torch.distributed is disabled" in m for m in dcp_round_trip())  # kforge fit keeps them
+    console.filter_tool_warnings()
+    assert dcp_round_trip() == []
+    assert _shown("torch.distributed is disabled, and more", UserWarning)
+
+
+def test_every_tool_runs_with_the_tool_filters(clean_filters, monkeypatch):
+    import sys
+    import types
+
+    from kempnerforge import commands
+
+    seen = []
+    module = types.ModuleType("kforge_fake_tool")
+    module.main = lambda argv: seen.append(_shown(console.TOOL_WARNINGS[0][1], UserWarning))
+    monkeypatch.setitem(sys.modules, "kforge_fake_tool", module)
+    monkeypatch.setitem(commands.TOOLS, "fake", ("a fake tool", "kforge_fake_tool:main"))
+    commands.run_tool("fake", [])
+    assert seen == [[]]
+
+
 def test_resume_warning_is_filtered_only_when_asked(clean_filters):
     message = "Checkpoint directory /scratch/run/ckpt exists and is not empty."
     assert _shown(message, UserWarning)

@@ -31,16 +31,20 @@ def _last_line(text: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, field, message",
     [
-        (["--trainer.strategy.init_args.tp=3"], "dp_shard=-1 cannot be inferred: world_size=4"),
-        (["--trainer.strategy.init_args.tp=4"], "n_kv_heads=2"),
-        (["--trainer.strategy.init_args.ep=2"], "ep=2 needs MoE layers"),
-        (["--model.config.n_kv_heads=3"], "ModelConfig.n_kv_heads=3 must divide n_heads=4"),
+        (["--trainer.strategy.init_args.tp=3"], "trainer.strategy.init_args.dp_shard", "world_size=4 is not divisible"),
+        (["--trainer.strategy.init_args.tp=4"], "trainer.strategy.init_args.tp", "n_kv_heads=2"),
+        (["--trainer.strategy.init_args.ep=2"], "trainer.strategy.init_args.ep", "ep=2 needs MoE layers"),
+        (["--model.config.n_kv_heads=3"], "model.config.n_kv_heads", "ModelConfig.n_kv_heads=3 must divide n_heads=4"),
+        (["--config", "configs/nope.yaml"], "--config", "configs/nope.yaml does not exist"),
+        (["--json", "no_such_folder/est.json"], "--json", "the folder no_such_folder does not exist"),
+        (["--json", "configs"], "--json", "is a folder"),
     ],
-    ids=["degrees-vs-world", "tp-vs-heads", "ep-dense", "bad-field-value"],
+    ids=["degrees-vs-world", "tp-vs-heads", "ep-dense", "bad-field-value", "missing-config", "json-folder", "json-dir"],
 )
-def test_bad_input_is_one_line_before_anything_is_built(args, message, monkeypatch):
+def test_bad_input_is_one_line_before_anything_is_built(args, field, message, monkeypatch):
+    """One line on stderr, the field first as under ``kforge fit`` (no Lightning start-up line, no progress line)."""
     import kempnerforge.estimate.run as run
 
     def never(*a, **k):
@@ -49,8 +53,8 @@ def test_bad_input_is_one_line_before_anything_is_built(args, message, monkeypat
     monkeypatch.setattr(run, "parallelize", never)
     proc = kforge_in_process("estimate", "--config", DEBUG, "--num_nodes", "1", "--devices_per_node", "4", *args)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    last = _last_line(proc.stderr)
-    assert last.startswith("kforge: error: ") and message in last, last
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"kforge: error: {field}") and message in proc.stderr, proc.stderr
     assert not dist.is_initialized()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from kempnerforge.errors import UserError
 from kempnerforge.training.lr import DECAYS, WSD_SHAPES, SchedulerConfig, build_scheduler, lr_factor
 
 # warmup 10, total 110: the decay spans steps 10..110 (progress p = (step - 10) / 100).
@@ -87,8 +88,10 @@ def test_resume_under_another_total_is_refused_and_the_same_schedule_continues()
         == pytest.approx(lr_factor(8, SchedulerConfig(warmup_steps=2), 100))
     )
     _, other = make(200)
-    with pytest.raises(ValueError, match=r"total_steps: saved 100, now 200.*pin model.scheduler.total_steps"):
+    with pytest.raises(UserError, match=r"total_steps: saved 100, now 200.*pin model.scheduler.total_steps") as err:
         other.load_state_dict(state)
+    # a user error naming the field: kforge prints it as one line, also when an auto-resume meets it mid-launch
+    assert err.value.field == "model.scheduler.total_steps" and "--ckpt_path null" in str(err.value)
 
 
 @pytest.mark.parametrize(
