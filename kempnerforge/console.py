@@ -26,6 +26,19 @@ HARMLESS_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     ),
 )
 
+#: Python warnings filtered by pattern (``re.match`` of the whole message) where the message names modules.
+#: torch 2.13's FSDP2 warns once per module class whose forward returns a view (an in-place op on it would skip
+#: the pre-backward hook); kempnerforge's embedding, norms, head, MoE layers and experts return views, and no
+#: kempnerforge module modifies another module's output in place (residuals are ``h = h + ...``). Modules of
+#: other classes keep the warning.
+HARMLESS_WARNING_PATTERNS: tuple[tuple[type[Warning], str], ...] = (
+    (
+        UserWarning,
+        r"FSDP2-wrapped module \((FSDP(Embedding|RMSNorm|Linear|MoE|GroupedExperts)(, )?)+\) returned a view "
+        r"tensor\. An in-place op on this view",
+    ),
+)
+
 #: Python warnings filtered in the tools (``kforge generate / convert / eval``, :func:`filter_tool_warnings`): they
 #: run in one process without a process group by design, and DCP says so on every load and save.
 TOOL_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
@@ -125,6 +138,8 @@ def filter_harmless_warnings(rank: int | None = None) -> None:
     """
     for category, message in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(message) + r"\Z", category=category)
+    for category, pattern in HARMLESS_WARNING_PATTERNS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
     for logs, cpu_only in ((HARMLESS_LOGS, False), (HARMLESS_LOGS_CPU_TORCH, True)):
         for name, patterns in logs.items():
             logger = logging.getLogger(name)

@@ -155,3 +155,15 @@ def test_resume_warning_is_filtered_only_when_asked(clean_filters):
     console.filter_resume_warning()
     assert _shown(message, UserWarning) == []
     assert _shown("Checkpoint directory /x exists and is read-only.", UserWarning)
+
+
+def test_fsdp2_view_warning_goes_for_kempnerforge_modules_only(clean_filters):
+    console.filter_harmless_warnings(rank=0)
+    tail = (
+        " returned a view tensor. An in-place op on this view (e.g., `x += y`) will silently drop the pre-backward "
+        "hook and skip the all-gather, which can cause backward to fail or produce wrong gradients."
+    )
+    for ours in ("(FSDPEmbedding, FSDPRMSNorm, FSDPLinear)", "(FSDPGroupedExperts)", "(FSDPMoE)"):
+        assert _shown("FSDP2-wrapped module " + ours + tail, UserWarning) == []
+    theirs = "FSDP2-wrapped module (FSDPMyBlock)" + tail
+    assert _shown(theirs, UserWarning) == [theirs]
