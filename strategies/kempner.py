@@ -223,7 +223,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         validate_float8(float8_recipe, float8_all_gather)
         validate_ac(activation_checkpointing, ac_every_n)
-        validate_compile(compile, compile_backend, tp)
+        validate_compile(compile, compile_backend)
         self.float8_recipe = float8_recipe
         self.float8_all_gather = float8_all_gather
         self.activation_checkpointing = activation_checkpointing
@@ -407,6 +407,7 @@ class KempnerStrategy(ModelParallelStrategy):
             enabled=self.compile,
             backend=self.compile_backend,
             expert_parallel=ep > 1,
+            tensor_parallel=self.parallel_mesh.dims.tp > 1,
         )
         # FSDP2 last: embedding, blocks, [norm, head] (tied: one unit with the embedding), root. With pp > 1
         # every stage is a root and keeps its parameters gathered: each micro-batch reuses them.

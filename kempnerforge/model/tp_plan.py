@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -39,12 +41,37 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.parallel.expert_tensor_parallel import ExpertTensorParallel
 
 
+class VocabParallelEmbedding(RowwiseParallel):
+    """``RowwiseParallel`` for the vocab-parallel ``nn.Embedding`` whose output reduction completes inside the module.
+
+    ``RowwiseParallel`` reduces the partial lookup asynchronously: with ``use_local_output`` the embedding returns
+    an ``AsyncCollectiveTensor`` (the wait deferred to its first use). Handed to a per-block compiled block, that
+    tensor subclass becomes a graph input that AOT autograd unwraps, and in backward the gradient of the compiled
+    block reaches the reduction's ``Redistribute`` backward as a plain tensor, bypassing the ``to_local`` node
+    (torch 2.13: ``'Tensor' object has no attribute '_local_tensor'``). Waiting here costs nothing: the block's
+    first op would wait at once. Shapes as ``RowwiseParallel`` on an embedding: ids ``(batch, seq)`` replicated in,
+    ``(batch, seq, dim)`` (``Replicate``) or ``(batch, seq / tp, dim)`` (``Shard(1)``) out.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: tuple[Placement],
+        use_local_output: bool,
+        mod: nn.Module,
+        outputs: DTensor,
+        device_mesh: DeviceMesh,
+    ) -> DTensor:
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 @dataclass
 class TPPlan:
     """A tensor-parallel plan split into the part applied to the root and the part applied per block.
 
     Attributes:
-        root: FQN (relative to the model) -> style, e.g. ``{"tok_embeddings": RowwiseParallel(...)}``.
+        root: FQN (relative to the model) -> style, e.g. ``{"tok_embeddings": VocabParallelEmbedding(...)}``.
         block: FQN (relative to each block of ``model.layers``) -> style, e.g. ``{"attention.wq": ...}``.
         moe_block: the plan of the blocks that hold an MoE layer (used instead of ``block`` there); empty for a
             dense model.
@@ -62,8 +89,8 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
     TP ranks, or with ``sequence_parallel`` sharded along ``seq`` (``(batch, seq / tp, dim)`` local),
     in which case RMSNorms run on sequence shards and attention / MLP inputs are all-gathered.
 
-    - ``tok_embeddings``: vocab-parallel (``RowwiseParallel`` on ``nn.Embedding``: weight
-      ``Shard(0)`` over vocab, replicated token ids in).
+    - ``tok_embeddings``: vocab-parallel (:class:`VocabParallelEmbedding`, ``RowwiseParallel`` on ``nn.Embedding``
+      with a synchronous output reduction: weight ``Shard(0)`` over vocab, replicated token ids in).
     - ``attention.wq/wk/wv``, ``feed_forward.w1/w3``: ``ColwiseParallel`` (weight ``Shard(0)``:
       each rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` KV heads, ``ffn_hidden / tp``
       MLP channels). ``attention.wo``, ``feed_forward.w2``: ``RowwiseParallel`` (weight ``Shard(1)``).
@@ -90,7 +117,7 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
     sp = sequence_parallel
     residual = Shard(1) if sp else Replicate()
     root: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "tok_embeddings": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=residual),
         "output": ColwiseParallel(
             input_layouts=residual,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),

@@ -32,8 +32,11 @@ MoE blocks compile whole, without graph breaks (``fullgraph=True``), as torchtit
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from kempnerforge.parallel.contract import is_moe_layer
 from kempnerforge.parallel.fsdp import block_inner_units
@@ -43,21 +46,14 @@ from kempnerforge.parallel.order import record_step
 BACKENDS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 
 
-def validate_compile(compile: bool, backend: str = "inductor", tp: int = 1) -> None:
+def validate_compile(compile: bool, backend: str = "inductor") -> None:
     """Check the strategy's ``compile`` and ``compile_backend`` arguments before any rendezvous.
 
     Raises:
-        ValueError: ``compile`` not a bool, ``backend`` not one of :data:`BACKENDS`, or ``compile=True`` with
-            ``tp > 1``: with torch 2.13 a compiled TP block's backward hands a plain tensor to DTensor's eager
-            redistribute backward (``'Tensor' object has no attribute '_local_tensor'``, dense and MoE blocks,
-            inductor and aot_eager alike), and with activation checkpointing AOT autograd refuses to save the
-            DTensors' DeviceMesh (``expected all tensors_saved_with_vc_check to be Tensors``).
+        ValueError: ``compile`` not a bool, or ``backend`` not one of :data:`BACKENDS`.
     """
     if not isinstance(compile, bool):
         raise ValueError(f"compile={compile!r} is not allowed; use True or False.")
-    if compile and tp > 1:
-        raise ValueError(f"compile=True with tp={tp} is not supported (compiled TP blocks fail in backward); use "
-                         "compile=False or tp=1.")  # fmt: skip
     if backend not in BACKENDS:
         raise ValueError(f"compile_backend={backend!r} is not allowed; choose one of {list(BACKENDS)}.")
 
@@ -68,6 +64,7 @@ def apply_compile(
     fullgraph: bool = True,
     backend: str = "inductor",
     expert_parallel: bool = False,
+    tensor_parallel: bool = False,
 ) -> list[str]:
     """Compile every block of ``model.layers`` in place with ``block.compile()`` (piecewise around FSDP2 units).
 
@@ -90,6 +87,11 @@ def apply_compile(
         fullgraph: refuse graph breaks inside a block (a break would silently cost speed).
         backend: ``torch.compile`` backend (``"inductor"``; tests use ``"aot_eager"`` to skip code generation).
         expert_parallel: ``ep > 1`` (FSDP2 will shard MoE layers and experts as units inside the blocks).
+        tensor_parallel: ``tp > 1``: a block under full activation checkpointing (no selective policy) is compiled
+            inside its ``CheckpointWrapper``, which stays eager and recomputes through the compiled block. Compiled
+            whole, its recomputation graph takes the TP DeviceMesh as an input to save, which AOT autograd
+            (torch 2.13) files among the saved tensors and refuses (``expected all tensors_saved_with_vc_check to
+            be Tensors``); with a selective policy the compiled checkpoint works and is kept.
 
     Returns:
         Names of the compiled modules relative to ``model.layers``: a block's key (``"0"``), or for a block
@@ -120,7 +122,7 @@ def apply_compile(
     for name, block in layers.named_children():
         units = {id(m) for m in block_inner_units(block, expert_parallel)}
         if not units:
-            block.compile(**options)
+            _full_ac_inner(block, tensor_parallel).compile(**options)
             names.append(name)
         else:
             # The router stays eager too: under AC its recomputation gets the forward's expert choice as an input,
@@ -149,3 +151,14 @@ def _compile_around(module: nn.Module, units: set[int], eager: set[int], options
 
 
 _AC_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _full_ac_inner(block: nn.Module, tensor_parallel: bool) -> nn.Module:
+    """The module to compile for ``block``: with ``tensor_parallel``, the wrapped block of a full-recompute
+    ``CheckpointWrapper`` (no ``context_fn``); otherwise ``block`` itself (see :func:`apply_compile`)."""
+    if not tensor_parallel or not isinstance(block, CheckpointWrapper):
+        return block
+    checkpoint_fn = getattr(block, "checkpoint_fn", None)
+    if isinstance(checkpoint_fn, partial) and checkpoint_fn.keywords.get("context_fn") is not None:
+        return block
+    return block._checkpoint_wrapped_module

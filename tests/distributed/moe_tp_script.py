@@ -57,9 +57,11 @@ def model_config(router: str):
 
 
 def _placements(model: torch.nn.Module) -> dict[str, str]:
-    """Placements of the MoE block's parameters (``layers.1.moe.*``): what the TP / EP plan really did."""
+    """Placements of the MoE block's parameters (``layers.1.moe.*``, AC wrapper dropped): what the TP / EP plan
+    really did."""
     out = {}
     for name, p in model.named_parameters():
+        name = name.replace("._checkpoint_wrapped_module", "")
         if name.startswith("layers.1.moe."):
             out[name] = str(tuple(p.placements)) if isinstance(p, DTensor) else "plain"
     return out

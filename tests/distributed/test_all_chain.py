@@ -6,8 +6,7 @@ weights, gloo): 1 process and 4 processes (``ep=2``, ``dp_shard=4``), both with 
 AC and per-block compile with the ``aot_eager`` backend (traced forward and backward graphs, no code generation:
 inductor's cold compile of these graphs takes minutes on 2 cores; tests/gpu runs inductor). ~90 s on 2 cores.
 
-``tp=2`` is not part of it: ``compile=True`` with ``tp > 1`` is refused (compiled TP blocks fail in backward with
-torch 2.13, dense ones too; see :func:`kempnerforge.parallel.compile.validate_compile`).
+``tp=2`` with compile is proven in tests/distributed/test_parallel_parity.py (``compile-tp2-*``).
 
 Asserted: the dense Linears really are ``Float8Linear`` (attention, dense and shared-expert SwiGLU; not the
 experts, router or head); the dense block compiles whole and the MoE block piecewise around its FSDP2 units

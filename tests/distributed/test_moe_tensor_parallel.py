@@ -7,6 +7,9 @@ Three launches of ``moe_tp_script.py`` (5 steps each, fp32 on gloo, the same glo
 - 2 processes, ``tp=2``: sigmoid with loss parallel, sigmoid with sequence parallel, softmax without loss
   parallel, softmax with sequence parallel.
 - 4 processes, ``tp=2 x ep=2`` with ``dp_shard=2``: sigmoid with sequence parallel, softmax without.
+- per-block compile (``aot_eager``): ``tp=2`` with sequence parallel and op-level selective AC (blocks compiled
+  whole with their checkpoint), and ``tp=2 x ep=2`` with full AC (MoE blocks compiled piecewise around their FSDP2
+  units). Dense ``tp=2`` + compile + full AC: tests/distributed/test_parallel_parity.py.
 
 Losses and grad norms match within 1e-5 relative; the routed experts really are split over TP (and EP): each rank
 holds 1 / (tp * ep) of their bytes, with the placements expert-TP gives them, and the router stays replicated.
@@ -28,10 +31,12 @@ TWO = {
     "sig_tp_sp": "router=sigmoid,tp=2,sp=1",
     "soft_tp_nolp": "router=softmax,tp=2,lp=0",
     "soft_tp_sp": "router=softmax,tp=2,sp=1",
+    "sig_tp_sp_compile_ac": "router=sigmoid,tp=2,sp=1,compile=1,ac=selective_op",  # aot_eager; blocks whole
 }
 FOUR = {
     "sig_ep_sp": "router=sigmoid,tp=2,ep=2,sp=1,micro_batch=4",
     "soft_ep": "router=softmax,tp=2,ep=2,micro_batch=4",
+    "sig_ep_compile_ac": "router=sigmoid,tp=2,ep=2,micro_batch=4,compile=1,ac=full",  # MoE blocks piecewise
 }
 
 
@@ -91,6 +96,7 @@ def test_moe_tp2_equals_one_process(two, single, name):
     """tp=2 (2 processes, no FSDP2): every combination of router, sequence parallel and loss parallel above."""
     _assert_parity(two[name], single[_router(name)])
     _assert_layout(two[name], shards=2, ep=False)
+    assert two[name]["compiled"] == (["layers.0", "layers.1"] if "compile=1" in TWO[name] else [])
 
 
 @pytest.mark.parametrize("name", list(FOUR))
@@ -98,3 +104,6 @@ def test_moe_tp2_ep2_dp_shard2_equals_one_process(four, single, name):
     """tp=2 x ep=2 with dp_shard=2 (4 processes, FSDP2 over dp_shard, experts on the (ep, tp) mesh)."""
     _assert_parity(four[name], single[_router(name)])
     _assert_layout(four[name], shards=4, ep=True)
+    if "compile=1" in FOUR[name]:  # attention compiled, the experts (an FSDP2 unit with EP) eager
+        assert "layers.1.attention" in four[name]["compiled"], four[name]["compiled"]
+        assert not any(n.startswith("layers.1.moe.experts") for n in four[name]["compiled"]), four[name]["compiled"]

@@ -38,6 +38,12 @@ CASES = {
     "tp2-sequence_parallel": (2, 1, ["--tp", "2", "--sequence-parallel"]),
     "ac-selective_op-tp2-sp": (2, 1, ["--tp", "2", "--sequence-parallel", "--ac", "selective_op"]),
     "compile-per-block": (2, 2, ["--compile"]),
+    # aot_eager: the compiled TP graphs (DTensor desugaring, autograd) without inductor's code generation.
+    "compile-tp2-sp-ac-full": (
+        2,
+        1,
+        ["--tp", "2", "--sequence-parallel", "--ac", "full", "--compile", "--compile-backend", "aot_eager"],
+    ),
 }
 
 

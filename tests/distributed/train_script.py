@@ -153,6 +153,7 @@ def fit(args: argparse.Namespace, ckpt_dir: str | None, ckpt_path: str | None):
             activation_checkpointing=args.ac,
             ac_every_n=args.ac_every_n,
             compile=args.compile,
+            compile_backend=args.compile_backend,
             float8_recipe=args.float8,
             float8_all_gather=args.float8_all_gather,
             mixed_precision_param=args.param_dtype,
@@ -186,6 +187,7 @@ def main() -> None:
     p.add_argument("--ac", default="none", help="activation_checkpointing mode")
     p.add_argument("--ac-every-n", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="per-block torch.compile")
+    p.add_argument("--compile-backend", default="inductor", help="compile_backend (aot_eager: no code generation)")
     p.add_argument("--float8", default=None, help="float8_recipe (tests/gpu)")
     p.add_argument("--float8-all-gather", action="store_true")
     p.add_argument("--param-dtype", default="float32", help="mixed_precision_param")

@@ -229,7 +229,6 @@ def test_strategy_applies_fp8_in_the_chain():
         ),
         ({"compile": "yes"}, ValueError, "compile='yes' is not allowed; use True or False."),
         ({"compile": True, "compile_backend": "cudagraphs"}, ValueError, "compile_backend='cudagraphs' is not allowed"),
-        ({"compile": True, "tp": 2}, ValueError, "compile=True with tp=2 is not supported"),
     ],
 )
 def test_strategy_refuses_bad_chain_settings_at_construction(kwargs, error, message):
