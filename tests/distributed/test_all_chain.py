@@ -1,20 +1,21 @@
-"""Issue 19 check 4 (as far as it runs): EP -> FP8 -> full AC -> per-block compile -> FSDP2 on one MoE model.
+"""Issue 19 check 4: TP -> EP -> FP8 -> full AC -> per-block compile -> FSDP2 on one MoE model, all at once.
 
 Two launches of ``moe_tp_script.py`` (the ``chain`` model: dim 32, 2 heads of 16, SwiGLU and expert width 32,
 block 0 dense and block 1 MoE with 4 experts, top-2, a shared expert; 5 steps on 8 x 32 tokens, fp32 master
-weights, gloo): 1 process and 4 processes (``ep=2``, ``dp_shard=4``), both with ``float8_recipe=tensorwise``, full
+weights, gloo): 1 process and 4 processes (``tp=2 x ep=2``, ``dp_shard=2``), both with ``float8_recipe=tensorwise``, full
 AC and per-block compile with the ``aot_eager`` backend (traced forward and backward graphs, no code generation:
 inductor's cold compile of these graphs takes minutes on 2 cores; tests/gpu runs inductor). ~90 s on 2 cores.
 
-``tp=2`` with compile is proven in tests/distributed/test_parallel_parity.py (``compile-tp2-*``).
+``tp=2`` with compile alone is also in tests/distributed/test_parallel_parity.py (``compile-tp2-*``).
 
 Asserted: the dense Linears really are ``Float8Linear`` (attention, dense and shared-expert SwiGLU; not the
 experts, router or head); the dense block compiles whole and the MoE block piecewise around its FSDP2 units
 (attention, norms, shared expert; the router, the MoE glue, the EP all-to-all and the experts eager); losses and
 grad norms within the FP8 tolerance of tests/distributed/test_float8_tp.py: step-1 loss 1e-5 (same weights; every
-data-parallel rank scales its own activations), later losses 1e-4. Grad norms: 1e-3 at step 1 (per-rank input
-scales over a quarter of the batch; measured 9e-5) and 1e-2 after (measured 6.0e-3 at step 5: the FP8 rounding
-flips of test_float8_tp, here with dp_shard=4 and carried into the routing, hence looser than its 5e-3).
+data-parallel rank scales its own activations; measured 1.1e-6), later losses 1e-4 (measured 4.5e-5 at step 5).
+Grad norms: 1e-3 at step 1 (per-rank input scales over half of the batch; measured 6.4e-4) and 1e-2 after
+(measured 1.9e-3 at step 5; 6.0e-3 with ep=2 x dp_shard=4: the FP8 rounding flips of test_float8_tp, carried
+into the routing, hence looser than its 5e-3). The order check is tests/unit/test_order.py's.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def _rel(a: float, b: float) -> float:
     return abs(a / b - 1)
 
 
-def test_ep_fp8_ac_compile_fsdp2_equals_one_process(shakespeare_tokens, tmp_path):
+def test_tp_ep_fp8_ac_compile_fsdp2_equals_one_process(shakespeare_tokens, tmp_path):
     single = _launch(1, shakespeare_tokens, tmp_path, CHAIN)
-    four = _launch(4, shakespeare_tokens, tmp_path, f"{CHAIN},ep=2,micro_batch=2")
+    four = _launch(4, shakespeare_tokens, tmp_path, f"{CHAIN},tp=2,ep=2,micro_batch=4")
     for record in (single, four):
         assert sorted(record["float8"]) == sorted(FLOAT8)
     assert single["compiled"] == ["layers.0", "layers.1"]  # ep=1: both blocks whole
