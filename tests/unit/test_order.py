@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from kempnerforge.parallel.order import TransformOrderError, applied_steps, record_step
+from kempnerforge.parallel.order import CHAIN, TransformOrderError, applied_steps, record_step
 
 
 def test_in_order_steps_are_recorded():
@@ -13,6 +13,24 @@ def test_in_order_steps_are_recorded():
     for step in ("tp", "float8", "activation_checkpoint", "fsdp"):
         record_step(m, step)
     assert applied_steps(m) == ["tp", "float8", "activation_checkpoint", "fsdp"]
+
+
+def test_the_whole_chain_is_recorded_in_order():
+    m = nn.Linear(2, 2)
+    for step in CHAIN:
+        record_step(m, step)
+    assert applied_steps(m) == list(CHAIN) == ["tp", "ep", "float8", "activation_checkpoint", "compile", "fsdp"]
+
+
+@pytest.mark.parametrize(
+    ("later", "earlier"), [(b, a) for i, a in enumerate(CHAIN) for b in CHAIN[i + 1 :]], ids=lambda s: s
+)
+def test_every_step_after_a_later_one_raises(later, earlier):
+    """Issue 19 check 4: with every step of the chain on, any step applied after one that must follow it raises."""
+    m = nn.Linear(2, 2)
+    record_step(m, later)
+    with pytest.raises(TransformOrderError, match=f"Cannot apply '{earlier}' after '{later}'"):
+        record_step(m, earlier)
 
 
 def test_tp_after_fsdp_raises():
