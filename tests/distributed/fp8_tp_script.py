@@ -1,6 +1,6 @@
 """FP8 training runs under tensor parallelism for the distributed tests, several ``Trainer.fit`` per launch.
 
-``--runs`` lists runs as ``name:key=value,...`` (:func:`tests.distributed.pp_script.parse_run`; keys: f8 = the
+``--runs`` lists runs as ``name:key=value,...`` (:func:`tests.distributed.multi_run.parse_run`; keys: f8 = the
 float8 recipe (absent: FP8 off), ag = 1 for the FSDP2 float8 all-gather, tp, sp, dp_shard, micro_batch, ac,
 steps). Each run trains a dim-32 decoder (2 blocks, 2 heads of 16 channels, every Linear 32 x 32, so each TP
 shard of it is still a multiple of 16: torchao's float8 on CPU quantizes for real and runs its GEMMs at ~60
@@ -13,9 +13,7 @@ first step, in the order torchao computed them (:class:`ScaleSpy`).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import sys
 from pathlib import Path
@@ -33,7 +31,8 @@ from kempnerforge.training.lr import SchedulerConfig
 from kempnerforge.training.optimizers import OptimizerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* under torchrun
-from tests.distributed.pp_script import StepRecorder, parse_run  # noqa: E402
+from tests.distributed import multi_run  # noqa: E402
+from tests.distributed.pp_script import INT_KEYS, StepRecorder  # noqa: E402
 
 CONFIG = ModelConfig(
     dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=50257, max_seq_len=64, ffn_hidden_dim=32, rope_theta=1e4
@@ -128,19 +127,8 @@ def run(opts: dict, data: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--runs", nargs="+", required=True)
-    args = p.parse_args()
-    torch.use_deterministic_algorithms(True)
-    records = {}
-    for spec in args.runs:
-        name, opts = parse_run(spec)
-        opts.update({k: int(opts[k]) for k in ("ag",) if k in opts})
-        records[name] = run(opts, args.data)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.out).write_text(json.dumps(records))
+    """The shared multi-run command line (:func:`tests.distributed.multi_run.main`); ``ag`` is an int too."""
+    multi_run.main(lambda name, opts, args: run(opts, args.data), (*INT_KEYS, "ag"))
 
 
 if __name__ == "__main__":

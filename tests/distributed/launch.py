@@ -57,3 +57,15 @@ def train(nproc: int, data: Path, out: Path, *extra: str, timeout: float = 240, 
     run = torchrun if real_torchrun else launch
     run(nproc, TRAIN_SCRIPT, ["--data", str(data), "--out", str(out), *extra], timeout=timeout)
     return json.loads(out.read_text())
+
+
+def launch_runs(
+    nproc: int, script: Path, data: Path, root: Path, runs: list[str], *, ckpt_root: bool = False,
+    timeout: float = 600, tag: str = "records",
+) -> dict:  # fmt: skip
+    """Launch a multi-run script (:mod:`tests.distributed.multi_run`) on ``nproc`` forked ranks with ``runs``
+    (``name:key=value,...``); ``--ckpt-root root`` when ``ckpt_root``. Returns rank 0's ``{name: record}``."""
+    out = root / f"{tag}_{nproc}.json"
+    saves = ["--ckpt-root", str(root)] if ckpt_root else []
+    launch(nproc, script, ["--data", str(data), "--out", str(out), *saves, "--runs", *runs], timeout=timeout)
+    return json.loads(out.read_text())

@@ -12,9 +12,7 @@ writes ``{name: {"losses", "grad_norms", "expert_bytes", "placements", "float8",
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +28,7 @@ from kempnerforge.training.lr import SchedulerConfig
 from kempnerforge.training.optimizers import OptimizerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* under torchrun
+from tests.distributed import multi_run  # noqa: E402
 from tests.distributed.train_script import Recorder, _expert_bytes, tiny_config  # noqa: E402
 
 INT_KEYS = ("tp", "ep", "sp", "lp", "micro_batch", "compile")
@@ -125,19 +124,8 @@ def _compiled(model: torch.nn.Module) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--runs", nargs="+", required=True)
-    args = p.parse_args()
-    torch.use_deterministic_algorithms(True)
-    records = {}
-    for spec in args.runs:
-        name, _, rest = spec.partition(":")
-        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
-        records[name] = run({k: int(v) if k in INT_KEYS else v for k, v in opts.items()}, args.data)
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.out).write_text(json.dumps(records))
+    """The shared multi-run command line (:func:`tests.distributed.multi_run.main`)."""
+    multi_run.main(lambda name, opts, args: run(opts, args.data), INT_KEYS)
 
 
 if __name__ == "__main__":

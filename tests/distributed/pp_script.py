@@ -10,14 +10,11 @@ to ``<--ckpt-root>/<name>``; ``resume=<other name>/<checkpoint dir>`` resumes fr
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
 
-import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor, Replicate
@@ -29,6 +26,7 @@ from kempnerforge.training.lr import SchedulerConfig
 from kempnerforge.training.optimizers import OptimizerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for tests.* under torchrun
+from tests.distributed import multi_run  # noqa: E402
 from tests.distributed.train_script import Recorder, tiny_config  # noqa: E402
 
 INT_KEYS = ("pp", "v", "mb", "steps", "ckpt_every", "micro_batch", "dp_shard", "val_batches", "tp", "sp", "acc",
@@ -79,13 +77,6 @@ def moe_config(tie: bool = False):
     an aux loss missing from a stage's backward moves the gradient norm far beyond the 1e-5 tolerance."""
     cfg = tiny_config(moe=True, num_experts=4, tie=tie)
     return dataclasses.replace(cfg, n_layers=4, moe_frequency=2, seq_aux_loss_weight=0.5, z_loss_weight=0.05)
-
-
-def parse_run(spec: str) -> tuple[str, dict]:
-    """``"a:pp=2,schedule=gpipe"`` -> ``("a", {"pp": 2, "schedule": "gpipe"})``."""
-    name, _, rest = spec.partition(":")
-    opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
-    return name, {k: int(v) if k in INT_KEYS else v for k, v in opts.items()}
 
 
 def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
@@ -155,19 +146,8 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--ckpt-root", required=True)
-    p.add_argument("--runs", nargs="+", required=True)
-    args = p.parse_args()
-    torch.use_deterministic_algorithms(True)
-    records = {}
-    for spec in args.runs:
-        name, opts = parse_run(spec)
-        records[name] = run(name, opts, args.data, Path(args.ckpt_root))
-    if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.out).write_text(json.dumps(records))
+    """The shared multi-run command line (:func:`tests.distributed.multi_run.main`) with ``--ckpt-root``."""
+    multi_run.main(lambda name, opts, args: run(name, opts, args.data, Path(args.ckpt_root)), INT_KEYS, ckpt_root=True)
 
 
 if __name__ == "__main__":

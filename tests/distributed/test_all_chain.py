@@ -20,11 +20,9 @@ into the routing, hence looser than its 5e-3). The order check is tests/unit/tes
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.distributed.launch import HERE, launch
+from tests.distributed.launch import HERE, launch_runs
 
 pytestmark = pytest.mark.distributed
 
@@ -45,9 +43,7 @@ PIECES = [
 
 
 def _launch(nproc: int, data, root, opts: str) -> dict:
-    out = root / f"chain_{nproc}.json"
-    launch(nproc, SCRIPT, ["--data", str(data), "--out", str(out), "--runs", f"chain:{opts}"], timeout=400)
-    return json.loads(out.read_text())["chain"]
+    return launch_runs(nproc, SCRIPT, data, root, [f"chain:{opts}"], timeout=400, tag="chain")["chain"]
 
 
 def _rel(a: float, b: float) -> float:

@@ -22,11 +22,9 @@ still whole-tensor and are compared exactly.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.distributed.launch import HERE, launch
+from tests.distributed.launch import HERE, launch_runs
 
 pytestmark = pytest.mark.distributed
 
@@ -38,9 +36,7 @@ FIRST_STEP, LATER_LOSS, LATER_NORM = 1e-5, 1e-4, 5e-3
 
 
 def _launch(nproc: int, data, root, runs: list[str]) -> dict:
-    out = root / f"records_{nproc}.json"
-    launch(nproc, SCRIPT, ["--data", str(data), "--out", str(out), "--runs", *runs], timeout=600)
-    return json.loads(out.read_text())
+    return launch_runs(nproc, SCRIPT, data, root, runs)
 
 
 @pytest.fixture(scope="module")

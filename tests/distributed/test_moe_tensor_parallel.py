@@ -17,11 +17,9 @@ holds 1 / (tp * ep) of their bytes, with the placements expert-TP gives them, an
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.distributed.launch import HERE, launch
+from tests.distributed.launch import HERE, launch_runs
 
 pytestmark = pytest.mark.distributed
 
@@ -41,10 +39,8 @@ FOUR = {
 
 
 def _launch(nproc: int, data, root, runs: dict[str, str]) -> dict:
-    out = root / f"moe_tp_{nproc}.json"
     specs = [f"{name}:{opts}" for name, opts in runs.items()]
-    launch(nproc, SCRIPT, ["--data", str(data), "--out", str(out), "--runs", *specs], timeout=400)
-    return json.loads(out.read_text())
+    return launch_runs(nproc, SCRIPT, data, root, specs, timeout=400, tag="moe_tp")
 
 
 @pytest.fixture(scope="module")

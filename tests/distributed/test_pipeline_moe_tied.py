@@ -11,11 +11,9 @@ step exactly as in one process.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.distributed.launch import HERE, launch
+from tests.distributed.launch import HERE, launch_runs
 
 pytestmark = pytest.mark.distributed
 
@@ -36,10 +34,7 @@ SINGLE_RUNS = [
 
 
 def _launch(nproc: int, data, root, runs: list[str]) -> dict:
-    out = root / f"records_{nproc}.json"
-    launch(nproc, SCRIPT, ["--data", str(data), "--out", str(out), "--ckpt-root", str(root), "--runs", *runs],
-           timeout=600)  # fmt: skip
-    return json.loads(out.read_text())
+    return launch_runs(nproc, SCRIPT, data, root, runs, ckpt_root=True)
 
 
 @pytest.fixture(scope="module")

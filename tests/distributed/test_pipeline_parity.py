@@ -8,11 +8,9 @@ sequences of 32 tokens, 5 steps, the 4-layer tiny decoder, fp32.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.distributed.launch import HERE, launch
+from tests.distributed.launch import HERE, launch_runs
 
 pytestmark = pytest.mark.distributed
 
@@ -28,10 +26,7 @@ PP2_RUNS = [
 
 
 def _launch(nproc: int, data, root, runs: list[str]) -> dict:
-    out = root / f"records_{nproc}.json"
-    launch(nproc, SCRIPT, ["--data", str(data), "--out", str(out), "--ckpt-root", str(root), "--runs", *runs],
-             timeout=600)  # fmt: skip
-    return json.loads(out.read_text())
+    return launch_runs(nproc, SCRIPT, data, root, runs, ckpt_root=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,11 @@ global batch of 8 x 32 tokens, fp32 on gloo):
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
-from tests.distributed.launch import HERE, launch
+from tests.distributed.launch import HERE, launch_runs
 
 pytestmark = pytest.mark.distributed
 
@@ -32,10 +31,7 @@ OTHERS = ("muon", "lion", "schedule_free_adamw")
 
 
 def _launch(nproc: int, data, root, runs: list[str]) -> dict:
-    out = root / f"records_{nproc}.json"
-    args = ["--data", str(data), "--out", str(out), "--ckpt-root", str(root), "--runs", *runs]
-    launch(nproc, SCRIPT, args, timeout=600)
-    return json.loads(out.read_text())
+    return launch_runs(nproc, SCRIPT, data, root, runs, ckpt_root=True)
 
 
 @pytest.fixture(scope="module")
