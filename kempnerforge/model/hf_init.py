@@ -139,7 +139,7 @@ def apply_rule_(tensor: torch.Tensor, rule: InitRule, fqn: str, seed: int) -> No
     """Set ``tensor`` (plain or DTensor: this rank's shard only) by ``rule``, random ones from (seed, ``fqn``).
 
     Raises:
-        NotImplementedError: an ``unsupported`` rule (names the primitive and the tensor).
+        ValueError: an ``unsupported`` rule (names the primitive and the tensor); callers refuse those first.
     """
     args = rule.args
     if rule.kind == "normal" and args["std"] > 0:
@@ -153,7 +153,7 @@ def apply_rule_(tensor: torch.Tensor, rule: InitRule, fqn: str, seed: int) -> No
     elif rule.kind == "copy":
         copy_full_(tensor, args["value"].to(tensor.dtype))
     else:
-        raise NotImplementedError(
+        raise ValueError(
             f"{fqn}: transformers initializes it with torch.nn.init.{args.get('name')}, which has no sharded "
             "counter-based version here; load it from a pretrained folder instead."
         )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kempnerforge.config.vision import ENCODER_FAMILIES, VisionEncoderConfig
+from kempnerforge.errors import UserError
 from kempnerforge.model.hf_init import apply_rule_, hf_init_plan
 from kempnerforge.model.init import canonical_fqn
 from kempnerforge.model.safetensors_shards import SafetensorsFolder
@@ -169,12 +170,23 @@ class VisionEncoder(nn.Module):
             FileNotFoundError: ``pretrained_path`` holds no safetensors weights.
             ValueError: a tensor in the folder has another shape than the model's, or the folder holds none of
                 the model's weights (not this tower's checkpoint).
+            UserError: a tensor the folder does not hold has an HF init with no counter-based version
+                (``model.encoder.pretrained_path``), raised before any tensor is written.
         """
         plan = hf_init_plan(type(self.model), self.model.config)
         tensors = {canonical_fqn(n): t for n, t in (*self.model.named_parameters(), *self.model.named_buffers())}
         loaded: set[str] = set()
         if self.cfg.pretrained_path is not None:
             loaded = self._load_pretrained(tensors)
+        unsupported = {
+            n: plan[n].args.get("name") for n in tensors if n not in loaded and plan[n].kind == "unsupported"
+        }
+        if unsupported:  # before any tensor is written
+            raise UserError(
+                "model.encoder.pretrained_path",
+                f"transformers initializes {sorted(unsupported)} with torch.nn.init.{sorted(set(unsupported.values()))}, "
+                "which has no sharded counter-based version; give a pretrained folder that holds these tensors",
+            )
         for name, tensor in tensors.items():
             if name not in loaded:
                 apply_rule_(tensor, plan[name], f"{prefix}.model.{name}", seed)

@@ -324,3 +324,30 @@ def test_low_precision_parameters_get_the_float64_value_rounded_once():
     ref = torch.empty(64, 64, dtype=torch.float64)
     trunc_normal_init_(ref, "w", 0, 0.02)
     assert torch.equal(w, ref.to(torch.bfloat16))
+
+
+def test_random_encoder_refuses_an_init_without_a_counter_based_version_before_writing(monkeypatch):
+    """A transformers init primitive we cannot replay per shard (e.g. ``orthogonal_``) is refused, naming the
+    tensor and the primitive, before any tensor of the tower is written."""
+    from kempnerforge.config.vision import VisionEncoderConfig
+    from kempnerforge.errors import UserError
+    from kempnerforge.model import vision
+    from kempnerforge.model.hf_init import InitRule, hf_init_plan
+
+    cfg = VisionEncoderConfig(
+        family="siglip", image_size=64, patch_size=8, hidden_size=128, n_layers=1, n_heads=2, intermediate_size=256
+    )
+    with torch.device("meta"):
+        ours = vision.VisionEncoder(cfg)
+    ours.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in (*ours.model.parameters(), *ours.model.buffers()):
+            t.fill_(7)
+    real = hf_init_plan(type(ours.model), ours.model.config)
+    victim = next(n for n in real if n.endswith("q_proj.weight"))
+    plan = {**real, victim: InitRule("unsupported", {"name": "orthogonal_"})}
+    monkeypatch.setattr(vision, "hf_init_plan", lambda *a: plan)
+    with pytest.raises(UserError, match=r"orthogonal_.*pretrained folder") as err:
+        ours.init_weights(seed=0)
+    assert err.value.field == "model.encoder.pretrained_path" and victim in str(err.value)
+    assert all(bool((t == 7).all()) for t in (*ours.model.parameters(), *ours.model.buffers()))
