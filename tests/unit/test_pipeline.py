@@ -126,7 +126,12 @@ def test_every_schedule_name_is_a_torch_class():
 def test_pipeline_accepts_moe_and_tied_embeddings(overrides):
     """MoE (ep=1) and tied embeddings pipeline (proven against one process in test_pipeline_moe_tied.py)."""
     args = {"n_layers": 4, "num_experts": 0, "tie_embeddings": False, "is_vlm": False, **overrides}
-    validate_pipeline_model(2, 2 if "schedule" in overrides else 1, None, **args)
+    virtual = 2 if "schedule" in overrides else 1
+    assert validate_pipeline_model(2, virtual, None, **args) is None
+    # the neighbour that is still refused: EP inside stages for MoE, the V schedule for tied embeddings
+    refused = {"ep": 2} if overrides.get("num_experts") else {"schedule": "zbv"}
+    with pytest.raises(MeshConfigError):
+        validate_pipeline_model(2, 2 if refused.get("schedule") else virtual, None, **{**args, **refused})
 
 
 def test_tied_pruning_keeps_the_embedding_with_the_head_under_its_fqn():

@@ -205,7 +205,11 @@ def test_gradient_clip_val_is_refused_under_a_stock_strategy_too():
 
 
 def test_gradient_clip_val_zero_is_lightnings_off_and_passes():
-    _trainer(KempnerStrategy(), steps=1, gradient_clip_val=0).fit(CausalLM(CFG), _samples())
+    """0 is Lightning's "off": accepted, the step runs and the module's own clipping (model.grad_clip) still logs."""
+    trainer = _trainer(KempnerStrategy(), steps=1, gradient_clip_val=0)
+    trainer.fit(CausalLM(CFG), _samples())
+    assert trainer.global_step == 1
+    assert float(trainer.callback_metrics["train/grad_norm"]) > 0
 
 
 def test_cli_refuses_gradient_clip_val_in_one_line():
