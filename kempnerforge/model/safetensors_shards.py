@@ -49,6 +49,7 @@ class SafetensorsFolder:
             )
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {key: h for h in self._handles for key in h.keys()}
+        self._file = {key: f for f, h in zip(files, self._handles, strict=True) for key in h.keys()}
 
     def __enter__(self) -> SafetensorsFolder:
         return self
@@ -93,7 +94,8 @@ class SafetensorsFolder:
         or a stack of them along dim 0 (:class:`~kempnerforge.checkpoint.hf_source.HFSource`), cast to its dtype.
 
         Reads only the elements this rank stores: per run of its global indices one slice of the folder tensor
-        (of each stacked key whose index this rank keeps: an expert-parallel rank opens only its own experts).
+        (of each stacked key whose index this rank keeps: an expert-parallel rank opens only its own experts). Host
+        memory beyond the shard itself: one slice buffer and the file pages of one tensor's slices at a time.
 
         Raises:
             KeyError: a key of ``source`` is not in the folder (names it).
@@ -114,7 +116,10 @@ class SafetensorsFolder:
 
         def block_of(key: str) -> object:
             if key not in slices:
-                sl = self._where[key].get_slice(key)
+                # A handle of its own, dropped on return: the file pages this read maps leave the rank's RSS with it
+                # (the folder's long-lived handles would keep every page read so far resident: as much again as
+                # the rank's shard).
+                sl = safe_open(str(self._file[key]), framework="pt").get_slice(key)
                 shape = tuple(sl.get_shape())
                 exact = not source.offset  # a rename: the same shape; a block: inside the folder tensor
                 fits = len(shape) == len(rest) and all(o + n <= s for o, n, s in zip(offset, rest, shape, strict=True))
