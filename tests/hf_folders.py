@@ -13,10 +13,14 @@ import torch
 from safetensors.torch import save_file
 
 
-def save_random(model_cls, config, folder: Path, seed: int = 0, tokenizer: Path | None = None) -> Path:
-    """``model_cls(config)`` with transformers' own random init (``seed``), saved to ``folder`` (+ tokenizer files)."""
+def save_random(
+    model_cls, config, folder: Path, seed: int = 0, tokenizer: Path | None = None, dtype: torch.dtype | None = None
+) -> Path:
+    """``model_cls(config)`` with transformers' own random init (``seed``), saved to ``folder`` (+ tokenizer files),
+    in ``dtype`` (None: fp32)."""
     torch.manual_seed(seed)
-    model_cls(config).save_pretrained(folder)
+    model = model_cls(config)
+    model.to(dtype or torch.float32).save_pretrained(folder)
     if tokenizer is not None:
         from kempnerforge.checkpoint.convert import copy_tokenizer_files
 
