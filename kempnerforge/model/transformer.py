@@ -74,10 +74,13 @@ class Transformer(nn.Module):
     output head's compute (fp32 unless mixed precision).
     """
 
+    #: A Hugging Face ``save_pretrained`` folder :meth:`init_weights` reads (fine-tuning); None: random init.
+    init_from: str | None = None
+
     def __init__(self, config: ModelConfig, init_from: str | None = None) -> None:
         super().__init__()
         self.config = config
-        self.init_from = init_from  # a Hugging Face folder init_weights reads (fine-tuning), else random init
+        self.init_from = init_from
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
@@ -172,10 +175,11 @@ class Transformer(nn.Module):
             KeyError, ValueError: ``init_from`` lacks a parameter, or holds one of another shape.
         """
         loaded = None
-        if self.init_from is not None:  # this rank's shards from the HF folder; RoPE tables and buffers below
+        init_from = getattr(self, "init_from", None)  # VLM backbones reuse this method without the attribute
+        if init_from is not None:  # this rank's shards from the HF folder; RoPE tables and buffers below
             from kempnerforge.checkpoint.init_from import load_hf_weights_
 
-            loaded = load_hf_weights_(self, self.init_from, self.config)
+            loaded = load_hf_weights_(self, init_from, self.config)
         init_decoder_(self, self.config, seed, done=loaded)
 
     def moe_layers(self) -> dict[str, MoE]:
