@@ -128,3 +128,26 @@ def test_bad_folder_tensors_are_errors(llama_folder, tmp_path):
     save_file(tensors, str(extra / "model.safetensors"))
     with pytest.raises(KeyError, match="model.norm.weight"):
         load_hf_weights_(Transformer(cfg), extra, cfg)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_load_their_own_part(tied, tmp_path):
+    """Each pipeline stage (a pruned model: its blocks; embedding / norm + head on the end stages, a tied head's
+    embedding on the last) reads exactly the unsplit load's values for the parameters it keeps."""
+    from kempnerforge.parallel.pipeline import prune_to_stages
+
+    folder = save_random(*_hf("llama", tie_word_embeddings=tied), tmp_path / "llama")
+    cfg = model_config_from_folder(folder)
+    whole = Transformer(cfg, init_from=str(folder))
+    whole.init_weights()
+    want = dict(whole.named_parameters())
+    for stage in (0, 1):
+        with torch.device("meta"):
+            model = Transformer(cfg, init_from=str(folder))
+        prune_to_stages(model, [range(0, 1), range(1, 2)], [stage])
+        model.to_empty(device="cpu")
+        if model.tok_embeddings is not None and model.output is not None:
+            model.tie_weights()
+        model.init_weights()
+        got = dict(model.named_parameters())
+        assert got and all(torch.equal(p, want[n]) for n, p in got.items()), stage
