@@ -9,7 +9,10 @@ rank stores (:meth:`kempnerforge.model.safetensors_shards.SafetensorsFolder.read
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -37,3 +40,19 @@ class HFSource:
     def key(self) -> str:
         """The HF key of a rename or block (the first key of a stack)."""
         return self.keys[0]
+
+
+def gather_source(sd: Mapping[str, torch.Tensor], source: HFSource, shape: tuple[int, ...]) -> torch.Tensor:
+    """Our whole tensor of global ``shape`` from an in-memory HF state dict ``sd``: what
+    :meth:`~kempnerforge.model.safetensors_shards.SafetensorsFolder.read_source_` reads from a folder, shard by shard
+    (a view for a rename or block, a copy for a stack).
+
+    Raises:
+        KeyError: a key of ``source`` is not in ``sd``.
+    """
+    if source.stacked:
+        offset = source.offset or (0,) * (len(shape) - 1)
+        block = tuple(slice(o, o + n) for o, n in zip(offset, shape[1:], strict=True))
+        return torch.stack([sd[key][block] for key in source.keys])
+    offset = source.offset or (0,) * len(shape)
+    return sd[source.key][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]

@@ -107,8 +107,23 @@ def merge_model_config(from_hf: ModelConfig, given: ModelConfig, path: str | Pat
 
 
 def resolve_model_config(path: str | Path, given: ModelConfig) -> ModelConfig:
-    """:func:`model_config_from_folder` merged with the user's ``given`` config (:func:`merge_model_config`)."""
-    return merge_model_config(model_config_from_folder(path), given, path)
+    """:func:`model_config_from_folder` merged with the user's ``given`` config (:func:`merge_model_config`).
+
+    Raises:
+        UserError: see both; also a family whose converter has no per-key mapping (``hf_source``) to load from.
+    """
+    cfg = merge_model_config(model_config_from_folder(path), given, path)
+    try:
+        family = hf_family_of(cfg)
+    except ValueError as err:
+        raise UserError(FIELD, f"{path}: {err}") from err
+    if not hasattr(family, "hf_source"):
+        raise UserError(
+            FIELD,
+            f"{path} is a {family.__name__.rsplit('.', 1)[-1]} checkpoint, whose converter has no per-key mapping "
+            "(hf_source) for a sharded load yet; import it with kforge convert hf-to-dcp and train with --ckpt_path",
+        )
+    return cfg
 
 
 def check_init_from(path: str | Path) -> None:

@@ -151,3 +151,47 @@ def test_pipeline_stages_load_their_own_part(tied, tmp_path):
         model.init_weights()
         got = dict(model.named_parameters())
         assert got and all(torch.equal(p, want[n]) for n, p in got.items()), stage
+
+
+def _moe(**kw) -> ModelConfig:
+    base = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=32, num_experts=4, top_k=2)
+    return ModelConfig(**{**base, **kw})
+
+
+FAMILY_CONFIGS = {
+    "llama": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=32),
+    "llama_tied": ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=96, max_seq_len=32, tie_embeddings=True),
+    "mixtral": _moe(),
+    "qwen2_moe": _moe(n_shared_experts=2, shared_expert_gate=True, moe_frequency=2),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_per_key_sources_agree_with_the_state_dict_converters(name):
+    """One source of truth: every parameter's ``hf_source``, gathered from the family's ``to_hf_state_dict`` output
+    (transformers 5's in-memory layout), is the parameter itself, and every HF tensor is read by some parameter."""
+    from kempnerforge.checkpoint.convert import hf_family
+    from kempnerforge.checkpoint.hf_source import gather_source
+
+    cfg = FAMILY_CONFIGS[name]
+    model = Transformer(cfg)
+    model.init_weights(seed=1)
+    family = hf_family(cfg)
+    hf_sd = family.to_hf_state_dict(model.state_dict(), cfg)
+    used = set()
+    for fqn, param in model.named_parameters():
+        source = family.hf_source(fqn, cfg, set(hf_sd))
+        assert torch.equal(gather_source(hf_sd, source, tuple(param.shape)), param), fqn
+        used.update(source.keys)
+    assert used == set(hf_sd)
+
+
+def test_a_family_without_a_per_key_mapping_is_refused(llama_folder, monkeypatch):
+    import types
+
+    from kempnerforge.checkpoint import init_from
+
+    monkeypatch.setattr(init_from, "hf_family_of", lambda cfg: types.ModuleType("kempnerforge.checkpoint.hf_new"))
+    with pytest.raises(UserError, match="hf_new checkpoint, whose converter has no per-key mapping") as err:
+        init_from.resolve_model_config(llama_folder, ModelConfig())
+    assert err.value.field == "model.init_from"
