@@ -64,6 +64,10 @@ def check_paths(module: Any, datamodule: Any) -> None:
     dm = datamodule
     tokenizer = getattr(dm, "tokenizer_path", None)
     tokenizer = tokenizer if isinstance(tokenizer, str) else getattr(dm, "tokenizer", None)
+    if init_from is not None and isinstance(tokenizer, str) and Path(tokenizer) == Path(init_from):
+        from kempnerforge.checkpoint.init_from import check_tokenizer_files
+
+        check_tokenizer_files(init_from)
     if isinstance(tokenizer, str) and not Path(tokenizer).expanduser().exists():
         raise PathError(
             "data.tokenizer",

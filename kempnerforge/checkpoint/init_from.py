@@ -143,6 +143,24 @@ def check_init_from(path: str | Path) -> None:
         )
 
 
+#: Files any ``transformers`` tokenizer folder holds at least one of (fast, sentencepiece, BPE vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """The folder ``path``, used as ``data.tokenizer`` (its default with ``model.init_from``), holds tokenizer files.
+
+    Raises:
+        PathError: none of :data:`TOKENIZER_FILES` is there (field ``data.tokenizer``).
+    """
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise PathError(
+            "data.tokenizer",
+            f"{path} (model.init_from) holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the checkpoint's "
+            "tokenizer there or set data.tokenizer to its folder",
+        )
+
+
 def hf_family_of(cfg: ModelConfig):
     """The converter module whose ``hf_source`` maps ``cfg``'s parameters (the same family as ``kforge convert``)."""
     from kempnerforge.checkpoint.convert import hf_family

@@ -84,11 +84,15 @@ def bad_files(tmp_path) -> dict[str, Path]:
     hf_config_only = tmp_path / "hf_config_only"
     hf_config_only.mkdir()
     (hf_config_only / "config.json").write_text(json.dumps(llama))
+    hf_no_tokenizer = tmp_path / "hf_no_tokenizer"  # weights present (an empty file is enough: never opened)
+    hf_no_tokenizer.mkdir()
+    (hf_no_tokenizer / "config.json").write_text(json.dumps(llama))
+    (hf_no_tokenizer / "model.safetensors").write_bytes(b"")
     hf_gpt2 = tmp_path / "hf_gpt2"
     hf_gpt2.mkdir()
     (hf_gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good, "tokens": tokens,
-            "hf_config_only": hf_config_only, "hf_gpt2": hf_gpt2}  # fmt: skip
+            "hf_config_only": hf_config_only, "hf_gpt2": hf_gpt2, "hf_no_tokenizer": hf_no_tokenizer}  # fmt: skip
 
 
 # (recipe, extra arguments, substrings the one line must hold: the field, and the file or value)
@@ -154,6 +158,11 @@ CASES = {
         "finetune_debug",
         ["--model.init_from={hf_config_only}"],
         ["model.init_from:", "no .safetensors weights"],
+    ),  # fmt: skip
+    "init_from_no_tokenizer": (
+        "finetune_debug",
+        ["--model.init_from={hf_no_tokenizer}", "--data.data_dir={empty}/tokens"],
+        ["data.tokenizer:", "hf_no_tokenizer (model.init_from) holds no tokenizer files"],
     ),  # fmt: skip
     "init_from_conflict": (
         "finetune_debug",
