@@ -92,7 +92,8 @@ def test_init_from_on_two_ranks(tmp_path):
     assert abs(record["loss"]["kforge"] - want) < 1e-5, (record["loss"]["kforge"], want)
     mib = 2**20
     print(
-        f"init_from {mem['n_params'] / 1e6:.0f}M params ({mem['model_bytes'] / mib:.0f} MiB fp32) on 2 ranks: shard "
-        f"{[round(b / mib) for b in mem['materialize_bytes']]} MiB, load peak {[round(b / mib) for b in mem['load_bytes']]}"
-        f" MiB in {[round(s, 1) for s in mem['load_s']]} s; first-step loss {record['loss']['kforge']:.6f} vs HF {want:.6f}"
+        f"init_from {mem['n_params'] / 1e6:.0f}M params ({mem['model_bytes'] / mib:.0f} MiB fp32) on 2 ranks: to_empty "
+        f"{[round(b / mib) for b in mem['materialize_bytes']]} MiB (lazy), load peak "
+        f"{[round(b / mib) for b in mem['load_bytes']]} MiB (shards {[round(b / mib) for b in mem['shard_bytes']]} MiB) in "
+        f"{[round(s, 1) for s in mem['load_s']]} s; first-step loss {record['loss']['kforge']:.6f} vs HF {want:.6f}"
     )
