@@ -160,6 +160,7 @@ class KForgeCLI(LightningCLI):
         except ValueError as err:
             print(f"kforge: error: {err}", file=sys.stderr)
             raise SystemExit(2) from err
+        apply_init_from_defaults(config, "init_args." if self.subclass_mode_model else "")
 
     @override
     def instantiate_classes(self) -> None:
@@ -218,6 +219,31 @@ class KForgeCLI(LightningCLI):
         held = _HELD.get()
         if held is not None:
             held.show()
+
+
+def apply_init_from_defaults(config: Any, prefix: str = "") -> None:
+    """With ``model.init_from`` (a Hugging Face folder), the data follows the checkpoint: ``data.vocab_size`` is
+    the folder's vocabulary (the parse-time link copied ``model.config.vocab_size``, which the folder overrides) and an
+    unset ``data.tokenizer`` is the folder itself, when the data module tokenizes (it has no ``source`` field, or
+    ``data.source`` is set). An explicit ``data.tokenizer`` is kept: a tokenizer with the same ids (e.g. with a chat
+    template added); the data's vocabulary check still refuses ids beyond the checkpoint's.
+
+    Raises:
+        UserError: ``model.init_from`` missing, without ``config.json``, or unsupported
+            (:func:`~kempnerforge.checkpoint.init_from.model_config_from_folder`).
+    """
+    init_from = config.get(f"model.{prefix}init_from")
+    if not init_from:
+        return
+    from kempnerforge.checkpoint.init_from import read_hf_config
+
+    hf_config = read_hf_config(init_from)
+    data = f"data.{'init_args.' if prefix or config.get('data.init_args') is not None else ''}"
+    if config.get(f"{data}vocab_size", False) is not False and getattr(hf_config, "vocab_size", None):
+        config[f"{data}vocab_size"] = int(hf_config.vocab_size)
+    tokenizes = config.get(f"{data}source", False) is False or config.get(f"{data}source") is not None
+    if config.get(f"{data}tokenizer", False) is None and tokenizes:
+        config[f"{data}tokenizer"] = str(init_from)
 
 
 def check_trainer_config(trainer: Any) -> None:

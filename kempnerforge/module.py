@@ -82,10 +82,18 @@ class CausalLM(LightningModule):
         z_loss_weight: weight of the z-loss ``logsumexp(logits)^2`` per target token (PaLM,
             arXiv:2204.02311 sec. 5; PaLM used 1e-4), on the same global-token normalization as the
             cross-entropy; logged as ``train/z_loss`` (mean per token). 0 disables it.
+        init_from: fine-tune from a Hugging Face ``save_pretrained`` folder (local; nothing is downloaded): the
+            architecture comes from its ``config.json`` (``--model.config.*`` may only add training-only fields or
+            a shorter ``max_seq_len``; a conflicting value is refused), the weights are read into the sharded model
+            at ``init_weights``, each rank reading only its shard, and the optimizer and LR schedule start fresh
+            (:mod:`kempnerforge.checkpoint.init_from`). The data's tokenizer defaults to the same folder. Like
+            litgpt's ``--initial_checkpoint_dir``. None: random init.
 
     Raises:
         ValueError: ``grad_clip``, ``loss_chunk_size`` or ``z_loss_weight`` < 0 (configs validate their own fields);
             ``schedule_free_adamw`` with a decaying LR schedule.
+        UserError: ``init_from`` missing, without ``config.json``, of an unsupported architecture, or a
+            ``model.config`` field that conflicts with it.
         MeshConfigError: ``loss_chunk_size > 0`` with ``tp > 1`` (in :meth:`validate_parallel`).
     """
 
@@ -98,8 +106,14 @@ class CausalLM(LightningModule):
         init_seed: int = 0,
         loss_chunk_size: int = 0,
         z_loss_weight: float = 0.0,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
+        if init_from is not None:  # before anything else: the architecture is the checkpoint's
+            from kempnerforge.checkpoint.init_from import resolve_model_config
+
+            config = resolve_model_config(init_from, config)
+        self.init_from = init_from
         if grad_clip < 0:
             raise ValueError(f"grad_clip={grad_clip} must be >= 0 (0 disables clipping).")
         if z_loss_weight < 0:
@@ -124,6 +138,7 @@ class CausalLM(LightningModule):
                 "init_seed": init_seed,
                 "loss_chunk_size": loss_chunk_size,
                 "z_loss_weight": z_loss_weight,
+                "init_from": init_from,
             }
         )
         self.model: Transformer | None = None
@@ -182,7 +197,7 @@ class CausalLM(LightningModule):
         """Build the model once (on meta under KempnerStrategy); idempotent for fit-then-validate."""
         if self.model is not None:
             return
-        self.model = Transformer(self.config)
+        self.model = Transformer(self.config, init_from=self.init_from)
         if not any(p.is_meta for p in self.model.parameters()):
             # A stock strategy built real tensors: initialize here (KempnerStrategy does it after sharding).
             with torch.no_grad():

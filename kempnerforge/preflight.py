@@ -45,9 +45,15 @@ def check_paths(module: Any, datamodule: Any) -> None:
 
     Raises:
         PathError: ``data.tokenizer``, ``data.source``, ``data.data_dir`` (not prepared and no source),
-            ``data.sources[i].data_dir`` or ``model.encoder.pretrained_path`` that is not there.
+            ``data.sources[i].data_dir`` or ``model.encoder.pretrained_path`` that is not there; ``model.init_from``
+            without safetensors weights.
         ValueError: a ``data.source`` spec that names anything but local files (``check_dataset_spec``).
     """
+    init_from = getattr(module, "init_from", None)
+    if init_from is not None:
+        from kempnerforge.checkpoint.init_from import check_init_from
+
+        check_init_from(init_from)
     encoder = getattr(module, "encoder_config", None)
     pretrained = getattr(encoder, "pretrained_path", None)
     if pretrained is not None and not (Path(pretrained) / "config.json").is_file():
@@ -58,6 +64,10 @@ def check_paths(module: Any, datamodule: Any) -> None:
     dm = datamodule
     tokenizer = getattr(dm, "tokenizer_path", None)
     tokenizer = tokenizer if isinstance(tokenizer, str) else getattr(dm, "tokenizer", None)
+    if init_from is not None and isinstance(tokenizer, str) and Path(tokenizer) == Path(init_from):
+        from kempnerforge.checkpoint.init_from import check_tokenizer_files
+
+        check_tokenizer_files(init_from)
     if isinstance(tokenizer, str) and not Path(tokenizer).expanduser().exists():
         raise PathError(
             "data.tokenizer",

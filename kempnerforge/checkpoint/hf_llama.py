@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from kempnerforge.checkpoint.hf_source import HFSource
 from kempnerforge.config.model import ModelConfig
 
 # Per-block renames: ours -> HF, relative to "layers.{i}." / "model.layers.{i}.".
@@ -37,6 +38,30 @@ _OURS_BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Old HF checkpoints saved the RoPE inverse frequencies; we recompute RoPE, so they carry nothing.
 _HF_IGNORED = re.compile(r"^model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq$")
+
+
+def hf_key(fqn: str) -> str:
+    """The HF ``LlamaForCausalLM`` key of our canonical FQN ``fqn`` (a pure rename, from the same tables as
+    :func:`to_hf_state_dict`).
+
+    Raises:
+        KeyError: ``fqn`` is not a Transformer parameter with a Llama name (e.g. a qk_norm weight).
+    """
+    if fqn in _TOP_KEYS:
+        return _TOP_KEYS[fqn]
+    match = _OURS_BLOCK.match(fqn)
+    if match is None or match.group(2) not in _BLOCK_KEYS:
+        raise KeyError(f"to_hf_state_dict: no HF Llama name for key {fqn!r}")
+    return f"model.layers.{match.group(1)}.{_BLOCK_KEYS[match.group(2)]}"
+
+
+def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str]) -> HFSource:
+    """Where our parameter ``fqn`` lies in a ``save_pretrained`` Llama folder: a rename (:func:`hf_key`).
+
+    Raises:
+        KeyError: see :func:`hf_key`.
+    """
+    return HFSource((hf_key(fqn),))
 
 
 def decoder_hf_kwargs(cfg: ModelConfig) -> dict:
@@ -142,15 +167,9 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None = N
     tied = _is_tied(sd, cfg)
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
-        if key in _TOP_KEYS:
-            if key == "output.weight" and tied:
-                continue
-            out[_TOP_KEYS[key]] = value
+        if key == "output.weight" and tied:
             continue
-        match = _OURS_BLOCK.match(key)
-        if match is None or match.group(2) not in _BLOCK_KEYS:
-            raise KeyError(f"to_hf_state_dict: no HF Llama name for key {key!r}")
-        out[f"model.layers.{match.group(1)}.{_BLOCK_KEYS[match.group(2)]}"] = value
+        out[hf_key(key)] = value
     return out
 
 

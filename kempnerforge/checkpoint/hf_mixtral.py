@@ -18,9 +18,12 @@ from collections.abc import Callable, Mapping
 import torch
 
 from kempnerforge.checkpoint import hf_llama
+from kempnerforge.checkpoint.hf_source import HFSource
 from kempnerforge.config.model import ModelConfig
 
 _MOE_KEY = re.compile(r"^layers\.(\d+)\.moe\.(router\.gate\.weight|router\.expert_bias|experts\.w[123])$")
+#: Per-expert names ``save_pretrained`` writes (transformers 5 packs them only in memory), ours -> HF.
+_DISK_EXPERT = {"w1": "w1", "w2": "w2", "w3": "w3"}
 _HF_MOE_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
 
 
@@ -68,6 +71,38 @@ def to_hf_config(cfg: ModelConfig):
         router_jitter_noise=0.0,
         output_router_logits=False,
     )
+
+
+def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str]) -> HFSource:
+    """Where our parameter ``fqn`` lies in a ``save_pretrained`` Mixtral folder.
+
+    transformers 5 writes the original per-expert layout (``block_sparse_moe.gate.weight``,
+    ``block_sparse_moe.experts.{e}.w1.weight`` (hidden, dim), ...: our packed experts are a stack of them); a
+    folder in the in-memory packed layout (``mlp.experts.gate_up_proj``) is read as blocks of it (w1 at hidden
+    offset 0, w3 at ``expert_hidden``). Everything else is the Llama rename.
+
+    Raises:
+        KeyError: ``fqn`` has no Mixtral name.
+    """
+    match = _MOE_KEY.match(fqn)
+    if match is None:
+        return hf_llama.hf_source(fqn, cfg, disk_keys)
+    layer, name = match.groups()
+    legacy = f"model.layers.{layer}.block_sparse_moe"
+    if name == "router.gate.weight":
+        key = f"{legacy}.gate.weight"
+        return HFSource((key if key in disk_keys else f"model.layers.{layer}.mlp.gate.weight",))
+    if name == "router.expert_bias":
+        raise KeyError(f"{fqn!r} (a buffer) has no Mixtral counterpart")
+    w = name.removeprefix("experts.")
+    if f"{legacy}.experts.0.{_DISK_EXPERT[w]}.weight" in disk_keys:
+        return HFSource(
+            tuple(f"{legacy}.experts.{e}.{_DISK_EXPERT[w]}.weight" for e in range(cfg.num_experts)), stacked=True
+        )
+    packed = f"model.layers.{layer}.mlp.experts"
+    if w == "w2":
+        return HFSource((f"{packed}.down_proj",))
+    return HFSource((f"{packed}.gate_up_proj",), offset=(0, cfg.expert_hidden if w == "w3" else 0, 0))
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

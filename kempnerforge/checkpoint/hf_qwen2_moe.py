@@ -23,6 +23,7 @@ from dataclasses import asdict
 import torch
 
 from kempnerforge.checkpoint import hf_llama
+from kempnerforge.checkpoint.hf_source import HFSource
 from kempnerforge.config.model import ModelConfig
 
 _MOE_KEY = re.compile(r"^layers\.(\d+)\.moe\.(.+)$")
@@ -111,6 +112,41 @@ def from_hf_config(hf_cfg) -> ModelConfig:
         router_renormalize=bool(hf_cfg.norm_topk_prob),
     )
     return ModelConfig(**fields)
+
+
+def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str]) -> HFSource:
+    """Where our parameter ``fqn`` lies in a ``save_pretrained`` Qwen2-MoE folder.
+
+    Routed experts: per-expert ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (what transformers 5
+    writes; a stack along our dim 0), or blocks of the packed ``gate_up_proj`` / ``down_proj``. Shared expert
+    ``s`` of width h: rows ``[s * h, (s + 1) * h)`` of ``shared_expert.gate_proj`` / ``up_proj``, columns of
+    ``down_proj`` (:data:`_SHARED`). Everything else is the Llama rename.
+
+    Raises:
+        KeyError: ``fqn`` has no Qwen2-MoE name.
+    """
+    match = _MOE_KEY.match(fqn)
+    if match is None:
+        return hf_llama.hf_source(fqn, cfg, disk_keys)
+    layer, name = match.groups()
+    p, h = f"model.layers.{layer}.mlp", cfg.expert_hidden
+    if name == "router.gate.weight":
+        return HFSource((f"{p}.gate.weight",))
+    if name == "shared_gate.weight":
+        return HFSource((f"{p}.shared_expert_gate.weight",))
+    shared = re.fullmatch(r"shared_experts\.(\d+)\.(w[123])\.weight", name)
+    if shared is not None:
+        s, w = int(shared.group(1)), shared.group(2)
+        return HFSource((f"{p}.shared_expert.{_SHARED[w]}.weight",), offset=(0, s * h) if w == "w2" else (s * h, 0))
+    routed = re.fullmatch(r"experts\.(w[123])", name)
+    if routed is None:
+        raise KeyError(f"{fqn!r} has no Qwen2MoeForCausalLM counterpart")
+    w = routed.group(1)
+    if f"{p}.experts.0.{_SHARED[w]}.weight" in disk_keys:
+        return HFSource(tuple(f"{p}.experts.{e}.{_SHARED[w]}.weight" for e in range(cfg.num_experts)), stacked=True)
+    if w == "w2":
+        return HFSource((f"{p}.experts.down_proj",))
+    return HFSource((f"{p}.experts.gate_up_proj",), offset=(0, h if w == "w3" else 0, 0))
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

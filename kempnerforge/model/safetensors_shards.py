@@ -10,11 +10,15 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from kempnerforge.parallel.dtensor import index_runs, local_part, shard_indices
+
+if TYPE_CHECKING:
+    from kempnerforge.checkpoint.hf_source import HFSource
 
 
 class SafetensorsFolder:
@@ -45,6 +49,7 @@ class SafetensorsFolder:
             )
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._where = {key: h for h in self._handles for key in h.keys()}
+        self._file = {key: f for f, h in zip(files, self._handles, strict=True) for key in h.keys()}
 
     def __enter__(self) -> SafetensorsFolder:
         return self
@@ -82,3 +87,57 @@ class SafetensorsFolder:
             dst = tuple(slice(lo, lo + n) for lo, _, n in block)
             src = tuple(slice(g, g + n) for _, g, n in block)
             local[dst].copy_(source[src])
+
+    @torch.no_grad()
+    def read_source_(self, tensor: torch.Tensor, source: HFSource) -> None:
+        """Fill ``tensor`` (plain or DTensor: this rank's shard only) from ``source``: a block of one folder tensor
+        or a stack of them along dim 0 (:class:`~kempnerforge.checkpoint.hf_source.HFSource`), cast to its dtype.
+
+        Reads only the elements this rank stores: per run of its global indices one slice of the folder tensor
+        (of each stacked key whose index this rank keeps: an expert-parallel rank opens only its own experts). Host
+        memory beyond the shard itself: one slice buffer and the file pages of one tensor's slices at a time.
+
+        Raises:
+            KeyError: a key of ``source`` is not in the folder (names it).
+            ValueError: the folder tensor cannot hold the block (names the key, both shapes and the offset).
+        """
+        local = local_part(tensor)
+        rest = tuple(tensor.shape[1:]) if source.stacked else tuple(tensor.shape)
+        offset = source.offset or (0,) * len(rest)
+        if source.stacked and len(source.keys) != tensor.shape[0]:
+            raise ValueError(f"{self.path}: {len(source.keys)} stacked keys for dim 0 of size {tensor.shape[0]}")
+        missing = [key for key in source.keys if key not in self._where]
+        if missing:
+            raise KeyError(f"{self.path} has no tensor {missing[0]!r}")
+        slices: dict[str, object] = {}
+        if local.numel() == 0:
+            return
+        runs = [index_runs(i) for i in shard_indices(tensor)]
+
+        def block_of(key: str) -> object:
+            if key not in slices:
+                # A handle of its own, dropped on return: the file pages this read maps leave the rank's RSS with it
+                # (the folder's long-lived handles would keep every page read so far resident: as much again as
+                # the rank's shard).
+                sl = safe_open(str(self._file[key]), framework="pt").get_slice(key)
+                shape = tuple(sl.get_shape())
+                exact = not source.offset  # a rename: the same shape; a block: inside the folder tensor
+                fits = len(shape) == len(rest) and all(o + n <= s for o, n, s in zip(offset, rest, shape, strict=True))
+                if not fits or (exact and shape != rest):
+                    raise ValueError(
+                        f"{self.path}: tensor {key!r} has shape {shape}, which cannot hold a block of shape {rest} "
+                        f"at offset {offset}"
+                    )
+                slices[key] = sl
+            return slices[key]
+
+        for block in itertools.product(*runs):
+            dst = tuple(slice(lo, lo + n) for lo, _, n in block)
+            if not source.stacked:
+                src = tuple(slice(g + o, g + o + n) for (_, g, n), o in zip(block, offset, strict=True))
+                local[dst].copy_(block_of(source.key)[src])
+                continue
+            (lo0, g0, n0), tail = block[0], block[1:]
+            src = tuple(slice(g + o, g + o + n) for (_, g, n), o in zip(tail, offset, strict=True))
+            for j in range(n0):
+                local[(lo0 + j, *dst[1:])].copy_(block_of(source.keys[g0 + j])[src])

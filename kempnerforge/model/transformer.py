@@ -74,9 +74,13 @@ class Transformer(nn.Module):
     output head's compute (fp32 unless mixed precision).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    #: A Hugging Face ``save_pretrained`` folder :meth:`init_weights` reads (fine-tuning); None: random init.
+    init_from: str | None = None
+
+    def __init__(self, config: ModelConfig, init_from: str | None = None) -> None:
         super().__init__()
         self.config = config
+        self.init_from = init_from
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
@@ -163,10 +167,20 @@ class Transformer(nn.Module):
 
         The rules live in :func:`~kempnerforge.model.decoder_init.init_decoder_` (shared with the VLM backbones).
 
+        With ``init_from`` (a ``save_pretrained`` folder), every parameter is instead read from it, each rank only
+        the elements it stores (:func:`~kempnerforge.checkpoint.init_from.load_hf_weights_`).
+
         Raises:
             RuntimeError: if a parameter is not covered by the rules above (a new module type).
+            KeyError, ValueError: ``init_from`` lacks a parameter, or holds one of another shape.
         """
-        init_decoder_(self, self.config, seed)
+        loaded = None
+        init_from = getattr(self, "init_from", None)  # VLM backbones reuse this method without the attribute
+        if init_from is not None:  # this rank's shards from the HF folder; RoPE tables and buffers below
+            from kempnerforge.checkpoint.init_from import load_hf_weights_
+
+            loaded = load_hf_weights_(self, init_from, self.config)
+        init_decoder_(self, self.config, seed, done=loaded)
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE modules by canonical FQN (``layers.1.moe``, ...), found through any wrapper

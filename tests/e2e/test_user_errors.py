@@ -11,6 +11,7 @@ cannot (everything the interpreter and Lightning print on their own).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -77,7 +78,21 @@ def bad_files(tmp_path) -> dict[str, Path]:
     tokens = tmp_path / "tokens"  # a token folder whose metadata.json was cut short
     tokens.mkdir()
     (tokens / "metadata.json").write_text('{"shards": [')
-    return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good, "tokens": tokens}
+    # Hugging Face folders for model.init_from: a config.json without weights, and an architecture we do not load.
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}  # fmt: skip
+    hf_config_only = tmp_path / "hf_config_only"
+    hf_config_only.mkdir()
+    (hf_config_only / "config.json").write_text(json.dumps(llama))
+    hf_no_tokenizer = tmp_path / "hf_no_tokenizer"  # weights present (an empty file is enough: never opened)
+    hf_no_tokenizer.mkdir()
+    (hf_no_tokenizer / "config.json").write_text(json.dumps(llama))
+    (hf_no_tokenizer / "model.safetensors").write_bytes(b"")
+    hf_gpt2 = tmp_path / "hf_gpt2"
+    hf_gpt2.mkdir()
+    (hf_gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good, "tokens": tokens,
+            "hf_config_only": hf_config_only, "hf_gpt2": hf_gpt2, "hf_no_tokenizer": hf_no_tokenizer}  # fmt: skip
 
 
 # (recipe, extra arguments, substrings the one line must hold: the field, and the file or value)
@@ -127,6 +142,33 @@ CASES = {
     "video_source": ("vlm_video", ["--data.init_args.source=/nonexistent/results.csv"], ["data.source:", "results"]),
     "video_tokenizer": ("vlm_video", ["--data.init_args.tokenizer=/nonexistent/tok"], ["data.tokenizer:"]),
     "7b_on_one_machine": ("vlm_7b_siglip2", [], ["model.encoder.pretrained_path:", "siglip2-so400m"]),
+    # fine-tuning from a Hugging Face folder (model.init_from)
+    "init_from_missing": (
+        "finetune_debug",
+        ["--model.init_from={empty}/nope"],
+        ["model.init_from:", "empty/nope is not a directory"],
+    ),  # fmt: skip
+    "init_from_no_config": ("finetune_debug", ["--model.init_from={empty}"], ["model.init_from:", "no config.json"]),
+    "init_from_arch": (
+        "finetune_debug",
+        ["--model.init_from={hf_gpt2}"],
+        ["model.init_from:", "GPT2LMHeadModel", "allowed: 'llama'"],
+    ),  # fmt: skip
+    "init_from_no_weights": (
+        "finetune_debug",
+        ["--model.init_from={hf_config_only}"],
+        ["model.init_from:", "no .safetensors weights"],
+    ),  # fmt: skip
+    "init_from_no_tokenizer": (
+        "finetune_debug",
+        ["--model.init_from={hf_no_tokenizer}", "--data.data_dir={empty}/tokens"],
+        ["data.tokenizer:", "hf_no_tokenizer (model.init_from) holds no tokenizer files"],
+    ),  # fmt: skip
+    "init_from_conflict": (
+        "finetune_debug",
+        ["--model.init_from={hf_config_only}", "--model.config.n_layers=3"],
+        ["model.config.n_layers:", "3 conflicts with", "gives 2"],
+    ),  # fmt: skip
     # mesh, before any process starts (devices=4 would launch 3 more ranks)
     "tp_vs_world": (
         "debug",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ from kempnerforge.cli import KForgeCLI, cli_classes
 from kempnerforge.module import CausalLM
 from kempnerforge.strategies import KempnerStrategy
 
+#: A small Llama ``config.json`` for the fine-tuning recipes (their ``model.init_from`` names the user's folder).
+HF_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50257,
+            "max_position_embeddings": 131072}  # fmt: skip
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
@@ -18,6 +23,11 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 def test_recipe_instantiates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # loggers and checkpoint dirs land here, not in the repo
     args = ["--config", str(path)]
+    if path.stem.startswith("finetune"):  # the user's Hugging Face folder: a config.json is all instantiation reads
+        folder = tmp_path / "hf"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(HF_LLAMA))
+        args.append(f"--model.init_from={folder}")
     cli = KForgeCLI(**cli_classes(args), args=args, run=False, auto_configure_optimizers=False)
     assert isinstance(cli.model, CausalLM)  # VisionLanguage subclasses it
     assert isinstance(cli.trainer.strategy, KempnerStrategy)

@@ -19,6 +19,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "vlm_moma": ("trained", "e2e/test_vlm_recipes.py"),
     "vlm_video": ("trained", "e2e/test_vlm_video_recipe.py"),
     "llama3_8b": ("estimated", "e2e/test_estimate_recipes.py"),
+    "finetune_llama": ("estimated", "e2e/test_estimate_recipes.py"),
+    "finetune_debug": ("trained", "e2e/test_finetune_recipe.py"),
     "llama3_70b": ("estimated", "e2e/test_estimate_recipes.py"),
     "moe_16b": ("estimated", "e2e/test_estimate_recipes.py"),
     "7b_pp": ("estimated", "e2e/test_estimate_recipes.py"),

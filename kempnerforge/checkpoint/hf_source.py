@@ -1,0 +1,58 @@
+"""Where one of our parameters lies in a ``save_pretrained`` folder: the per-key form of the family mappings.
+
+Each family module (:mod:`~kempnerforge.checkpoint.hf_llama`, :mod:`~kempnerforge.checkpoint.hf_mixtral`,
+:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`) maps a canonical FQN of ours to an :class:`HFSource` with
+``hf_source(fqn, cfg, disk_keys)``, from the same name tables its state-dict converters use. A sharded load
+(:func:`kempnerforge.checkpoint.init_from.load_hf_weights_`) then reads, per parameter, only the elements this
+rank stores (:meth:`kempnerforge.model.safetensors_shards.SafetensorsFolder.read_source_`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """One of our tensors as a block of one HF tensor, or as a stack of HF tensors along our dim 0.
+
+    - A rename: ``HFSource(("model.norm.weight",))``: same shape on both sides.
+    - A block: ``offset`` gives, per dim of the HF tensor, where our tensor starts in it (Mixtral's fused
+      ``gate_up_proj`` (E, 2 * hidden, dim) holds our ``w3`` (E, hidden, dim) at ``offset=(0, hidden, 0)``;
+      a Qwen2-MoE shared expert ``s`` of width h is rows ``[s * h, (s + 1) * h)`` of ``shared_expert.gate_proj``).
+    - A stack: ``stacked=True``, one key per index of our dim 0 (per-expert keys ``experts.{e}.w1.weight``
+      (hidden, dim) for our packed ``w1`` (E, hidden, dim)); ``offset`` then applies to the remaining dims.
+
+    Args:
+        keys: HF tensor keys (one unless ``stacked``).
+        offset: start of our block per HF dim (empty: all zeros).
+        stacked: ``keys[e]`` is our ``[e]`` slice.
+    """
+
+    keys: tuple[str, ...]
+    offset: tuple[int, ...] = ()
+    stacked: bool = False
+
+    @property
+    def key(self) -> str:
+        """The HF key of a rename or block (the first key of a stack)."""
+        return self.keys[0]
+
+
+def gather_source(sd: Mapping[str, torch.Tensor], source: HFSource, shape: tuple[int, ...]) -> torch.Tensor:
+    """Our whole tensor of global ``shape`` from an in-memory HF state dict ``sd``: what
+    :meth:`~kempnerforge.model.safetensors_shards.SafetensorsFolder.read_source_` reads from a folder, shard by shard
+    (a view for a rename or block, a copy for a stack).
+
+    Raises:
+        KeyError: a key of ``source`` is not in ``sd``.
+    """
+    if source.stacked:
+        offset = source.offset or (0,) * (len(shape) - 1)
+        block = tuple(slice(o, o + n) for o, n in zip(offset, shape[1:], strict=True))
+        return torch.stack([sd[key][block] for key in source.keys])
+    offset = source.offset or (0,) * len(shape)
+    return sd[source.key][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]

@@ -1,0 +1,219 @@
+"""Fine-tuning from a Hugging Face folder: ``--model.init_from=<save_pretrained dir>``.
+
+Three steps, at three times:
+
+1. Configuration (``CausalLM.__init__``, before any process group): the model config is the folder's
+   ``config.json`` through the family converters (:func:`~kempnerforge.checkpoint.convert.model_config_from_hf`);
+   a ``--model.config.*`` value that changes the network is refused (:func:`merge_model_config`).
+2. Preflight (``kforge`` before rendezvous): the folder holds safetensors weights (:func:`check_init_from`).
+3. Weights (``Transformer.init_weights``, after TP / EP / FSDP2 sharding and ``to_empty``): each rank reads only the
+   elements of each parameter it stores, through ``safetensors`` slices (:func:`load_hf_weights_`); the optimizer and
+   LR schedule start fresh. This follows litgpt's ``--initial_checkpoint_dir`` / torchtitan's HF-checkpoint load,
+   with torchtitan's rule that weights are loaded into the already-sharded model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kempnerforge.config.model import ModelConfig
+from kempnerforge.errors import PathError, UserError
+
+FIELD = "model.init_from"
+#: ``ModelConfig`` fields a run may set on top of a pretrained model: they shape the training objective or the
+#: (unused) random init, not what the weights mean.
+TRAINING_FIELDS = frozenset({"init_std", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight", "bias_update_rate"})
+#: Fields that only derive the feed-forward width when ``ffn_hidden_dim`` is unset (HF configs set it): compared
+#: through the width they give.
+_WIDTH_FIELDS = frozenset({"ffn_dim_multiplier", "multiple_of"})
+
+
+def _folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise PathError(
+            FIELD, f"{path} is not a directory (a transformers save_pretrained folder); nothing is downloaded"
+        )
+    if not (folder / "config.json").is_file():
+        raise PathError(FIELD, f"{path} has no config.json (a transformers save_pretrained folder)")
+    return folder
+
+
+def read_hf_config(path: str | Path):
+    """The ``transformers`` config of the folder ``path`` (its ``config.json``, read locally).
+
+    Raises:
+        PathError: ``path`` is not a directory or has no ``config.json`` (field ``model.init_from``).
+        UserError: ``transformers`` cannot read it (an unknown ``model_type``, broken JSON).
+    """
+    folder = _folder(path)
+    from transformers import AutoConfig  # local import: transformers is slow to import
+
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(FIELD, f"{path}/config.json cannot be read by transformers: {first}") from err
+
+
+def model_config_from_folder(path: str | Path) -> ModelConfig:
+    """Our :class:`ModelConfig` for the HF folder ``path`` (through the family converters' ``from_hf_config``).
+
+    Raises:
+        PathError, UserError: see :func:`read_hf_config`; an architecture the converters do not support, or a
+            feature they cannot represent (the converter's message, under ``model.init_from``).
+    """
+    from kempnerforge.checkpoint.convert import model_config_from_hf
+
+    hf_config = read_hf_config(path)
+    try:
+        return model_config_from_hf(hf_config)
+    except ValueError as err:
+        arch = ", ".join(getattr(hf_config, "architectures", None) or []) or getattr(hf_config, "model_type", "?")
+        raise UserError(FIELD, f"{path} holds {arch}, which kempnerforge cannot load: {err}") from err
+
+
+def merge_model_config(from_hf: ModelConfig, given: ModelConfig, path: str | Path) -> ModelConfig:
+    """The run's model config: ``from_hf`` plus the fields ``given`` sets (differs from ``ModelConfig()``) that do
+    not change the network: :data:`TRAINING_FIELDS`, a shorter ``max_seq_len`` (the RoPE tables are recomputed;
+    a longer one would extrapolate past what the checkpoint was trained on), and any field equal to the folder's.
+
+    Raises:
+        UserError: a field of ``given`` that conflicts with the folder's config, as ``model.config.<field>``
+            (the first one, with both values).
+    """
+    default, updates = ModelConfig(), {}
+    for f in fields(ModelConfig):
+        name, value, hf_value = f.name, getattr(given, f.name), getattr(from_hf, f.name)
+        if value == getattr(default, name) or value == hf_value:
+            continue
+        if name in TRAINING_FIELDS or (name == "max_seq_len" and value <= hf_value):
+            updates[name] = value
+        elif name in _WIDTH_FIELDS and from_hf.ffn_hidden_dim is not None:
+            continue  # the HF width is explicit; these only derive one without it
+        else:
+            allowed = f"<= {hf_value}" if name == "max_seq_len" else f"{hf_value!r} (or unset)"
+            raise UserError(
+                f"model.config.{name}",
+                f"{value!r} conflicts with {path}/config.json (model.init_from), which gives {hf_value!r}; allowed: "
+                f"{allowed}: the architecture comes from the checkpoint",
+            )
+    return replace(from_hf, **updates) if updates else from_hf
+
+
+def resolve_model_config(path: str | Path, given: ModelConfig) -> ModelConfig:
+    """:func:`model_config_from_folder` merged with the user's ``given`` config (:func:`merge_model_config`).
+
+    Raises:
+        UserError: see both; also a family whose converter has no per-key mapping (``hf_source``) to load from.
+    """
+    cfg = merge_model_config(model_config_from_folder(path), given, path)
+    try:
+        family = hf_family_of(cfg)
+    except ValueError as err:
+        raise UserError(FIELD, f"{path}: {err}") from err
+    if not hasattr(family, "hf_source"):
+        raise UserError(
+            FIELD,
+            f"{path} is a {family.__name__.rsplit('.', 1)[-1]} checkpoint, whose converter has no per-key mapping "
+            "(hf_source) for a sharded load yet; import it with kforge convert hf-to-dcp and train with --ckpt_path",
+        )
+    return cfg
+
+
+def check_init_from(path: str | Path) -> None:
+    """The folder ``path`` can be loaded: ``config.json`` and safetensors weights (no file is opened).
+
+    Raises:
+        PathError: not a directory, no ``config.json``, or no ``*.safetensors`` files (a ``pytorch_model.bin``
+            folder: re-save it with ``save_pretrained``, whose default is safetensors).
+    """
+    folder = _folder(path)
+    if not any(folder.glob("*.safetensors")):
+        held = sorted(p.name for p in folder.iterdir())[:8]
+        raise PathError(
+            FIELD,
+            f"{path} has no .safetensors weights (it holds {held}); re-save it with transformers' save_pretrained "
+            "(safetensors is its default format)",
+        )
+
+
+#: Files any ``transformers`` tokenizer folder holds at least one of (fast, sentencepiece, BPE vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """The folder ``path``, used as ``data.tokenizer`` (its default with ``model.init_from``), holds tokenizer files.
+
+    Raises:
+        PathError: none of :data:`TOKENIZER_FILES` is there (field ``data.tokenizer``).
+    """
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise PathError(
+            "data.tokenizer",
+            f"{path} (model.init_from) holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the checkpoint's "
+            "tokenizer there or set data.tokenizer to its folder",
+        )
+
+
+def hf_family_of(cfg: ModelConfig):
+    """The converter module whose ``hf_source`` maps ``cfg``'s parameters (the same family as ``kforge convert``)."""
+    from kempnerforge.checkpoint.convert import hf_family
+
+    return hf_family(cfg)
+
+
+@torch.no_grad()
+def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> set[int]:
+    """Fill every parameter of ``model`` (plain tensors or DTensors of any FSDP2 / TP / EP layout, or a pipeline
+    stage's part) from the HF folder ``path``, each rank reading only the elements it stores.
+
+    Per parameter, the family's ``hf_source`` (one source of truth with the state-dict converters) names the HF
+    tensor(s): a rename or block is one ``safetensors`` slice per run of this rank's indices; per-expert keys are
+    read only for the experts this rank keeps. A tied head reads the embedding. Values are cast to each
+    parameter's dtype (bf16 files into fp32 master weights are exact). Buffers (RoPE tables, router
+    ``expert_bias``) are left to the caller (:func:`~kempnerforge.model.decoder_init.init_decoder_`).
+
+    Args:
+        model: the materialized decoder (not on meta).
+        path: the ``save_pretrained`` folder ``cfg`` was read from.
+        cfg: its model config.
+
+    Returns:
+        The ``id`` of every parameter filled (all of them).
+
+    Raises:
+        FileNotFoundError: no safetensors files.
+        KeyError: a parameter the folder has no tensor for (names both).
+        ValueError: a folder tensor with another shape; with the whole model (no pipeline stage), folder tensors
+            nothing reads (e.g. biases our model lacks): a weight is never dropped silently.
+    """
+    from kempnerforge.checkpoint.hf_llama import _HF_IGNORED
+    from kempnerforge.model.init import canonical_fqn
+    from kempnerforge.model.safetensors_shards import SafetensorsFolder
+
+    family = hf_family_of(cfg)
+    done: set[int] = set()
+    used: set[str] = set()
+    with SafetensorsFolder(path) as folder:
+        disk = folder.keys()
+        for name, param in model.named_parameters():
+            fqn = canonical_fqn(name)
+            if fqn == "output.weight" and cfg.tie_embeddings:  # a pipeline's last stage: its own copy of the tie
+                fqn = "tok_embeddings.weight"
+            source = family.hf_source(fqn, cfg, disk)
+            folder.read_source_(param, source)
+            used.update(source.keys)
+            done.add(id(param))
+    whole = getattr(model, "tok_embeddings", None) is not None and len(getattr(model, "layers", ())) == cfg.n_layers
+    unused = sorted(
+        k for k in disk - used if not _HF_IGNORED.match(k) and not (k == "lm_head.weight" and cfg.tie_embeddings)
+    )
+    if whole and getattr(model, "output", None) is not None and unused:
+        raise ValueError(f"{FIELD}={path}: tensors with no kempnerforge parameter: {unused[:8]}")
+    return done

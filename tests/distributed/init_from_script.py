@@ -1,0 +1,155 @@
+"""Rank script of the ``model.init_from`` checks (issue 20, check 3), one launch on 2 gloo ranks.
+
+- ``memory``: a ~300M-parameter Llama folder (fp32) loaded into a dp_shard=2 FSDP2 model. Memory is the kernel's RSS
+  high-water mark (``VmHWM``), reset (``/proc/self/clear_refs`` = 5) after the meta build and FSDP2: ``materialize``
+  is ``to_empty`` (this rank's parameter shards) and ``load`` the bytes ``init_weights`` adds at its peak while it
+  reads the folder (file pages it maps, slice buffers), each against the RSS just before it.
+- ``loss``: ``Trainer.fit`` for one step with ``KempnerStrategy(dp_shard=2)`` and ``CausalLM(init_from=small)`` on a
+  fixed global batch of 4 sequences; rank 0 records the logged first-step ``train/loss`` and the global batch.
+- ``layouts``: the small Llama under tp=2 (GQA, untied), the Mixtral folder under ep=2 and the Qwen2-MoE folder under
+  FSDP2 dp_shard=2 (experts ``Shard(0)``): every parameter's full tensor against the unsharded load of the same folder.
+
+Rank 0 writes the records as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader
+
+from kempnerforge.checkpoint.init_from import model_config_from_folder
+from kempnerforge.model.transformer import Transformer
+from kempnerforge.module import CausalLM
+from kempnerforge.parallel.expert_parallel import apply_ep
+from kempnerforge.parallel.fsdp import apply_fsdp
+from kempnerforge.parallel.tensor_parallel import apply_tp
+from kempnerforge.strategies import KempnerStrategy
+from kempnerforge.training.optimizers import OptimizerConfig
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> int:
+    """Reset VmHWM to the current RSS; the current RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS") * 1024
+
+
+def _gather(value) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def memory(folder: str, mesh) -> dict:
+    cfg = model_config_from_folder(folder)
+    with torch.device("meta"):
+        model = Transformer(cfg, init_from=folder)
+    apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    dist.barrier()
+    base = _reset_peak()
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    materialize = _status_kb("VmHWM") * 1024 - base
+    dist.barrier()
+    base = _reset_peak()
+    start = time.perf_counter()
+    model.init_weights(seed=0)
+    load_s = time.perf_counter() - start
+    load = _status_kb("VmHWM") * 1024 - base
+    local = sum(p.to_local().numel() for p in model.parameters()) * 4
+    return {"n_params": n_params, "model_bytes": n_params * 4, "materialize_bytes": _gather(materialize),
+            "load_bytes": _gather(load), "shard_bytes": _gather(local), "load_s": _gather(load_s)}  # fmt: skip
+
+
+class _FirstLoss(Callback):
+    def __init__(self) -> None:
+        self.loss: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.loss = float(trainer.callback_metrics["train/loss"])
+
+
+def first_step_loss(folder: str, seq: torch.Tensor) -> float:
+    seed_everything(0)
+    module = CausalLM(init_from=folder, optimizer=OptimizerConfig(lr=1e-3), grad_clip=1.0)
+    samples = [{"input_ids": s[:-1], "labels": s[1:]} for s in seq]
+    recorder = _FirstLoss()
+    trainer = Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=KempnerStrategy(dp_shard=2),
+                      max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])  # fmt: skip
+    trainer.fit(module, train_dataloaders=DataLoader(samples, batch_size=2, shuffle=False))
+    return recorder.loss
+
+
+def _plain(folder: str) -> dict[str, torch.Tensor]:
+    model = Transformer(model_config_from_folder(folder), init_from=folder)
+    model.init_weights(seed=0)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def layouts(folders: dict[str, str], mesh) -> dict:
+    """Max |sharded full tensor - unsharded load| per layout (0.0 when bitwise equal), and the params compared."""
+    out = {}
+    for layout, folder in folders.items():
+        cfg = model_config_from_folder(folder)
+        with torch.device("meta"):
+            model = Transformer(cfg, init_from=folder)
+        if layout == "tp2":
+            apply_tp(model, mesh, sequence_parallel=False, loss_parallel=True)
+        elif layout == "ep2":
+            apply_ep(model, mesh)
+        else:
+            apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        model.init_weights(seed=0)
+        want = _plain(folder)
+        diff, sharded = 0.0, 0
+        for name, param in model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            sharded += int(hasattr(param, "full_tensor"))
+            key = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+            diff = max(diff, (full.detach() - want[key]).abs().max().item())
+        out[layout] = {"max_abs_diff": diff, "params": len(want), "sharded_params": sharded}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--big", required=True)
+    p.add_argument("--small", required=True)
+    p.add_argument("--mixtral", required=True)
+    p.add_argument("--qwen2-moe", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    record = {"memory": memory(args.big, mesh)}
+    record["layouts"] = layouts({"tp2": args.small, "ep2": args.mixtral, "fsdp2": args.qwen2_moe}, mesh)
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, model_config_from_folder(args.small).vocab_size, (4, 17), generator=gen)
+    record["loss"] = {"kforge": first_step_loss(args.small, seq), "tokens": seq.tolist()}
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

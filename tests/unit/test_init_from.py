@@ -1,0 +1,197 @@
+"""Issue 20 (fine-tuning): ``model.init_from`` in one process, against ``transformers``.
+
+- ``CausalLM(init_from=folder)`` gives the HF model's logits for Llama (tied, bf16 files), Mixtral (the per-expert keys
+  ``save_pretrained`` writes, and the packed in-memory layout) and Qwen2-MoE (per-expert routed and shared experts).
+- The config rules: a conflicting ``model.config`` field is refused naming it; training-only fields and a shorter
+  ``max_seq_len`` are kept.
+- A folder tensor of the wrong shape, a missing one, or one no parameter reads is an error, never skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kempnerforge.checkpoint.hf_source import HFSource
+from kempnerforge.checkpoint.init_from import load_hf_weights_, model_config_from_folder, resolve_model_config
+from kempnerforge.config import ModelConfig
+from kempnerforge.errors import UserError
+from kempnerforge.model.safetensors_shards import SafetensorsFolder
+from kempnerforge.model.transformer import Transformer
+from kempnerforge.module import CausalLM
+from tests.hf_folders import save_random
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+
+
+def _hf(kind: str, **extra):
+    import transformers as tf
+
+    cls, config = {
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
+        "mixtral": (tf.MixtralForCausalLM, tf.MixtralConfig),
+        "qwen2_moe": (tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig),
+    }[kind]
+    return cls, config(**SMALL, **extra)
+
+
+CASES = {
+    "llama_tied_bf16": ("llama", {"tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "qkv_bias": False,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [],
+        },
+    ),  # fmt: skip
+}
+
+
+def _logits_diff(folder, hf_model) -> float:
+    module = CausalLM(init_from=str(folder))
+    module.configure_model()
+    ids = torch.randint(0, SMALL["vocab_size"], (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return (module(ids) - hf_model(ids).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_init_from_gives_the_hf_models_logits(case, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    kind, extra = CASES[case]
+    folder = save_random(*_hf(kind, **extra), tmp_path / case, dtype=torch.bfloat16 if "bf16" in case else None)
+    if "bf16" in case:  # bf16 files are read into fp32 parameters exactly (as from_pretrained(dtype=float32))
+        from safetensors import safe_open
+
+        assert safe_open(str(folder / "model.safetensors"), "pt").get_slice("model.norm.weight").get_dtype() == "BF16"
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert _logits_diff(folder, hf_model) < 1e-5
+
+
+def test_mixtral_in_the_packed_layout(tmp_path):
+    """A folder holding transformers 5's in-memory keys (``mlp.experts.gate_up_proj``): w1 / w3 are blocks of it."""
+    import json
+
+    cls, config = _hf("mixtral", num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    hf_model = cls(config).eval()
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config.to_dict()))
+    save_file({k: v.contiguous() for k, v in hf_model.state_dict().items()}, str(folder / "model.safetensors"))
+    assert _logits_diff(folder, hf_model) < 1e-5
+
+
+@pytest.fixture
+def llama_folder(tmp_path):
+    return save_random(*_hf("llama", tie_word_embeddings=False), tmp_path / "llama")
+
+
+def test_conflicting_model_config_is_refused_and_training_fields_are_kept(llama_folder):
+    with pytest.raises(UserError, match=r"64 conflicts with .*config.json.* gives 32") as err:
+        resolve_model_config(llama_folder, ModelConfig(dim=64, n_heads=4))
+    assert err.value.field in ("model.config.dim", "model.config.n_heads")
+    with pytest.raises(UserError, match="allowed: <= 32") as err:
+        resolve_model_config(llama_folder, ModelConfig(max_seq_len=64))
+    assert err.value.field == "model.config.max_seq_len"
+    cfg = resolve_model_config(llama_folder, ModelConfig(max_seq_len=16, init_std=0.01, multiple_of=64, n_layers=2))
+    want = model_config_from_folder(llama_folder)
+    assert (cfg.max_seq_len, cfg.init_std, cfg.dim, cfg.ffn_hidden) == (16, 0.01, want.dim, 48)
+
+
+def test_bad_folder_tensors_are_errors(llama_folder, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = model_config_from_folder(llama_folder)
+    tensors = load_file(str(llama_folder / "model.safetensors"))
+    with SafetensorsFolder(llama_folder) as folder:
+        with pytest.raises(ValueError, match="model.norm.weight.*shape"):
+            folder.read_source_(torch.empty(31), HFSource(("model.norm.weight",)))
+        with pytest.raises(KeyError, match="model.nope"):
+            folder.read_source_(torch.empty(32), HFSource(("model.nope",)))
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "config.json").write_text((llama_folder / "config.json").read_text())
+    save_file({**tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(32)}, str(extra / "model.safetensors"))
+    with pytest.raises(ValueError, match="q_proj.bias"):
+        load_hf_weights_(Transformer(cfg), extra, cfg)
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(extra / "model.safetensors"))
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        load_hf_weights_(Transformer(cfg), extra, cfg)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_load_their_own_part(tied, tmp_path):
+    """Each pipeline stage (a pruned model: its blocks; embedding / norm + head on the end stages, a tied head's
+    embedding on the last) reads exactly the unsplit load's values for the parameters it keeps."""
+    from kempnerforge.parallel.pipeline import prune_to_stages
+
+    folder = save_random(*_hf("llama", tie_word_embeddings=tied), tmp_path / "llama")
+    cfg = model_config_from_folder(folder)
+    whole = Transformer(cfg, init_from=str(folder))
+    whole.init_weights()
+    want = dict(whole.named_parameters())
+    for stage in (0, 1):
+        with torch.device("meta"):
+            model = Transformer(cfg, init_from=str(folder))
+        prune_to_stages(model, [range(0, 1), range(1, 2)], [stage])
+        model.to_empty(device="cpu")
+        if model.tok_embeddings is not None and model.output is not None:
+            model.tie_weights()
+        model.init_weights()
+        got = dict(model.named_parameters())
+        assert got and all(torch.equal(p, want[n]) for n, p in got.items()), stage
+
+
+def _moe(**kw) -> ModelConfig:
+    base = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=32, num_experts=4, top_k=2)
+    return ModelConfig(**{**base, **kw})
+
+
+FAMILY_CONFIGS = {
+    "llama": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=32),
+    "llama_tied": ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=96, max_seq_len=32, tie_embeddings=True),
+    "mixtral": _moe(),
+    "qwen2_moe": _moe(n_shared_experts=2, shared_expert_gate=True, moe_frequency=2),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_per_key_sources_agree_with_the_state_dict_converters(name):
+    """One source of truth: every parameter's ``hf_source``, gathered from the family's ``to_hf_state_dict`` output
+    (transformers 5's in-memory layout), is the parameter itself, and every HF tensor is read by some parameter."""
+    from kempnerforge.checkpoint.convert import hf_family
+    from kempnerforge.checkpoint.hf_source import gather_source
+
+    cfg = FAMILY_CONFIGS[name]
+    model = Transformer(cfg)
+    model.init_weights(seed=1)
+    family = hf_family(cfg)
+    hf_sd = family.to_hf_state_dict(model.state_dict(), cfg)
+    used = set()
+    for fqn, param in model.named_parameters():
+        source = family.hf_source(fqn, cfg, set(hf_sd))
+        assert torch.equal(gather_source(hf_sd, source, tuple(param.shape)), param), fqn
+        used.update(source.keys)
+    assert used == set(hf_sd)
+
+
+def test_a_family_without_a_per_key_mapping_is_refused(llama_folder, monkeypatch):
+    import types
+
+    from kempnerforge.checkpoint import init_from
+
+    monkeypatch.setattr(init_from, "hf_family_of", lambda cfg: types.ModuleType("kempnerforge.checkpoint.hf_new"))
+    with pytest.raises(UserError, match="hf_new checkpoint, whose converter has no per-key mapping") as err:
+        init_from.resolve_model_config(llama_folder, ModelConfig())
+    assert err.value.field == "model.init_from"
