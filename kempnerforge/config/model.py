@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kempnerforge.config.moe import moe_layer_params, validate_moe
+from kempnerforge.config.rope import RopeScaling, rope_scaling_from_dict
 from kempnerforge.metrics.flops import transformer_flops_per_token
 
 
@@ -56,6 +57,9 @@ class ModelConfig:
     """Share one matrix between the token embedding and the output head."""
     init_std: float = 0.02
     """Std of the truncated-normal (+-3 std) init of embeddings and linears; wo/w2 get 1/sqrt(2*n_layers) of it."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE context extension ('llama3' of Llama 3.1-3.3, or 'yarn'); None = plain RoPE. A dict of
+    :class:`~kempnerforge.config.rope.RopeScaling` fields is accepted (checkpoint metadata, YAML)."""
 
     # -- Mixture-of-Experts (validated by kempnerforge.config.moe.validate_moe) --------------------
     num_experts: int = 0
@@ -91,6 +95,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_positive()
+        self.rope_scaling = rope_scaling_from_dict(self.rope_scaling)
         if self.dim % self.n_heads != 0:
             raise ValueError(
                 f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads} "

@@ -22,7 +22,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
 from kempnerforge.model.moe import GroupedExperts, MoE
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.rope import model_rope_tables
 
 #: Linear weights on a residual branch's output (FQN without ``.weight``): attention and MLP outputs, cross-attention
 #: and cross-MLP outputs (``cross_attention.wo``, ``cross_feed_forward.w2``) and shared experts' ``w2``. Packed routed
@@ -56,7 +56,7 @@ def init_decoder_(
     Raises:
         RuntimeError: a parameter no rule covers (a new module type), naming them.
     """
-    cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, "cpu")
+    cos, sin = model_rope_tables(config, "cpu")
     model.rope_cos.copy_(cos)
     model.rope_sin.copy_(sin)
     std, residual_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)

@@ -17,7 +17,7 @@ from kempnerforge.model.init import canonical_fqn
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.moe import MoE
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import pack_rope, rope_tables, unpack_rope
+from kempnerforge.model.rope import model_rope_tables, pack_rope, unpack_rope
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.training.chunked_ce import chunked_linear_cross_entropy_sum
 
@@ -81,7 +81,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = model_rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tie_weights()
