@@ -43,7 +43,7 @@ def init_decoder_(
 
     ``model`` must hold ``rope_cos`` / ``rope_sin`` buffers (max_seq_len, head_dim // 2); the tables (replicated
     buffers, O(max_seq_len * head_dim)) are computed on CPU in fp32 and copied (bitwise the same on every device). MoE routers' selection bias (``expert_bias``) is
-    zeroed. A tied head is initialized once, under the embedding's FQN (modules are visited in registration order).
+    zeroed, and so are Linear biases (q/k/v with ``attention_bias``). A tied head is initialized once, under the embedding's FQN (modules are visited in registration order).
 
     Args:
         model: the decoder (plain tensors or DTensors; each rank writes its own shard).
@@ -68,6 +68,9 @@ def init_decoder_(
             weights = {p: getattr(module, p) for p in ("w1", "w2", "w3")}
         elif isinstance(module, RMSNorm | nn.Linear | nn.Embedding):
             weights = {"weight": module.weight}
+            if isinstance(module, nn.Linear) and module.bias is not None and id(module.bias) not in done:
+                module.bias.zero_()  # q/k/v biases (attention_bias): zeros, as torchtitan and HF Qwen 2 init them
+                done.add(id(module.bias))
         else:
             continue
         for pname, weight in weights.items():

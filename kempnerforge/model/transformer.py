@@ -155,7 +155,7 @@ class Transformer(nn.Module):
         - Embedding / Linear weights and packed expert weights (``moe.experts.w1/w2/w3``): N(0,
           init_std**2) truncated at +-3 std; ``attention.wo``, ``feed_forward.w2`` and every expert's
           ``w2`` (routed and shared) use init_std / sqrt(2 * n_layers).
-        - MoE router selection bias (``moe.router.expert_bias``): zeros.
+        - MoE router selection bias (``moe.router.expert_bias``) and q/k/v biases (``attention_bias``): zeros.
         Each weight is drawn from its own generator seeded from (seed, canonical FQN) on CPU, so the
         result is independent of the global RNG and identical for meta or eager builds and for any
         FSDP2/TP sharding (DTensors receive only their local shard). A tied embedding is initialized
