@@ -13,7 +13,8 @@ import pytest
 
 from kempnerforge.checkpoint.convert import hf_to_dcp
 from tests.distributed.launch import HERE, launch_runs
-from tests.hf_family_models import FAMILIES, save_hf_model
+from tests.hf_family_models import ISSUE_FAMILIES as FAMILIES
+from tests.hf_family_models import save_hf_model
 
 pytestmark = pytest.mark.distributed
 
