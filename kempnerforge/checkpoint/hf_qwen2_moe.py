@@ -87,6 +87,14 @@ def to_hf_config(cfg: ModelConfig):
     )
 
 
+def expert_width_multiplier(ffn_hidden: int, expert_hidden: int) -> float:
+    """The ``expert_width_multiplier`` with ``int(ffn_hidden * m) == expert_hidden`` (exact under float rounding)."""
+    multiplier = expert_hidden / ffn_hidden
+    if int(ffn_hidden * multiplier) != expert_hidden:  # float rounding: nudge up to the exact width
+        multiplier = (expert_hidden + 0.5) / ffn_hidden
+    return multiplier
+
+
 def from_hf_config(hf_cfg) -> ModelConfig:
     """Our :class:`ModelConfig` for a ``Qwen2MoeConfig``.
 
@@ -118,14 +126,6 @@ def from_hf_config(hf_cfg) -> ModelConfig:
         router_renormalize=bool(hf_cfg.norm_topk_prob),
     )
     return ModelConfig(**fields)
-
-
-def expert_width_multiplier(ffn_hidden: int, expert_hidden: int) -> float:
-    """The ``expert_width_multiplier`` with ``int(ffn_hidden * m) == expert_hidden`` (exact under float rounding)."""
-    multiplier = expert_hidden / ffn_hidden
-    if int(ffn_hidden * multiplier) != expert_hidden:  # float rounding: nudge up to the exact width
-        multiplier = (expert_hidden + 0.5) / ffn_hidden
-    return multiplier
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
