@@ -58,6 +58,16 @@ def from_hf_config(hf_cfg) -> ModelConfig:
     return ModelConfig(**hf_llama.dense_fields_from_hf(hf_cfg, "Qwen2Config"), attention_bias=True)
 
 
+def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str]):
+    """Where our parameter ``fqn`` lies in a ``save_pretrained`` folder (``model.init_from``'s per-rank load):
+    the Llama rename, q/k/v biases included.
+
+    Raises:
+        KeyError: ``fqn`` has no Qwen2 name.
+    """
+    return hf_llama.hf_source(fqn, cfg, disk_keys)
+
+
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict under ``Qwen2ForCausalLM`` keys (a rename, no copy).
 

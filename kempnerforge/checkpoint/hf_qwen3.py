@@ -79,6 +79,16 @@ def from_hf_config(hf_cfg) -> ModelConfig:
     return ModelConfig(**from_hf_qwen3_attention(hf_cfg, "Qwen3Config"))
 
 
+def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str]):
+    """Where our parameter ``fqn`` lies in a ``save_pretrained`` folder (``model.init_from``'s per-rank load):
+    the Llama rename, q_norm / k_norm included.
+
+    Raises:
+        KeyError: ``fqn`` has no Qwen3 name.
+    """
+    return hf_llama.hf_source(fqn, cfg, disk_keys)
+
+
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our state dict under ``Qwen3ForCausalLM`` keys (a rename, no copy).
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from kempnerforge.checkpoint import hf_llama, hf_mixtral, hf_qwen3
+from kempnerforge.checkpoint import hf_llama, hf_mixtral, hf_qwen2_moe, hf_qwen3
 from kempnerforge.checkpoint.hf_qwen2_moe import expert_width_multiplier
 from kempnerforge.config.model import ModelConfig
 
@@ -88,6 +88,17 @@ def from_hf_config(hf_cfg) -> ModelConfig:
         router_renormalize=bool(hf_cfg.norm_topk_prob),
     )
     return ModelConfig(**fields)
+
+
+def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str]):
+    """Where our parameter ``fqn`` lies in a ``save_pretrained`` folder (``model.init_from``'s per-rank load):
+    Qwen2-MoE's routed-expert layout (per-expert ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``
+    stacked along our dim 0, or blocks of the packed ``gate_up_proj``), the Llama rename elsewhere.
+
+    Raises:
+        KeyError: ``fqn`` has no Qwen3-MoE name.
+    """
+    return hf_qwen2_moe.hf_source(fqn, cfg, disk_keys)
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -81,6 +81,21 @@ def test_round_trip_is_bit_exact(family, converted):
     assert config_a == config_b
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_init_from_gives_transformers_logits(family, converted):
+    """``model.init_from`` (the per-rank safetensors load of the finetune branch) reads these families' folders too."""
+    pytest.importorskip("kempnerforge.checkpoint.init_from", reason="model.init_from is not on this branch yet")
+    from kempnerforge.module import CausalLM
+
+    src = converted[family][0]
+    module = CausalLM(init_from=str(src))
+    module.configure_model()
+    hf = _hf(src)
+    with torch.no_grad():
+        for tokens in prompts():
+            torch.testing.assert_close(module(tokens), hf(input_ids=tokens).logits, rtol=0, atol=1e-5)
+
+
 def _hf_greedy(hf, ids, mask, n):
     out = hf.generate(input_ids=ids, attention_mask=mask.long(), max_new_tokens=n, do_sample=False,
                       eos_token_id=None, pad_token_id=0)  # fmt: skip
