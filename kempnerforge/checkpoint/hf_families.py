@@ -91,7 +91,7 @@ def family_for_hf_config(hf_config) -> HFFamily:
     """
     kind = getattr(hf_config, "model_type", None)
     if kind not in _FAMILIES:
-        raise ValueError(f"HF model_type={kind!r} is not supported; allowed: {sorted(_FAMILIES)}")
+        raise ValueError(f"HF model_type={kind!r} is not supported; allowed: {', '.join(map(repr, sorted(_FAMILIES)))}")
     return _FAMILIES[kind]
 
 
