@@ -33,6 +33,8 @@ FAMILY_API = (
     "from_hf_state_dict",  # (HF state dict as transformers 5 holds it in memory, cfg) -> our state dict
     "to_hf_state_dict",  # (our state dict, cfg) -> HF state dict
 )
+# Optional: ``hf_source(fqn, cfg, disk_keys)``, where one parameter lies in a save_pretrained folder (model.init_from's
+# per-rank load reads only what each rank keeps; a family without it is refused there, kforge convert still works).
 
 
 @dataclass(frozen=True)
