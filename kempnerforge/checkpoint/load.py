@@ -78,7 +78,7 @@ def build_model(config: ModelConfig, device: torch.device | str = "cpu") -> Tran
         model = Transformer(config)
     model.to_empty(device=device)
     model.tie_weights()
-    cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, "cpu")
+    cos, sin = rope_tables(config.rope_head_dim, config.max_seq_len, config.rope_theta, "cpu")
     with torch.no_grad():
         model.rope_cos.copy_(cos)
         model.rope_sin.copy_(sin)

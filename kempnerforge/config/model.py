@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kempnerforge.config.mla import mla_layer_params, validate_attention
 from kempnerforge.config.moe import moe_layer_params, validate_moe
 from kempnerforge.metrics.flops import transformer_flops_per_token
 
@@ -57,6 +58,21 @@ class ModelConfig:
     init_std: float = 0.02
     """Std of the truncated-normal (+-3 std) init of embeddings and linears; wo/w2 get 1/sqrt(2*n_layers) of it."""
 
+    # -- Attention kind (validated by kempnerforge.config.mla.validate_attention) -----------------------
+    attention: str = "gqa"
+    """'gqa' (grouped-query attention, :mod:`kempnerforge.model.attention`) or 'mla' (multi-head latent attention,
+    DeepSeek-V2 arXiv:2405.04434, :mod:`kempnerforge.model.mla`; the five fields below, n_kv_heads None)."""
+    q_lora_rank: int = 0
+    """MLA query latent width (DeepSeek-V3: 1536); 0 = no query compression (one ``wq`` projection)."""
+    kv_lora_rank: int = 0
+    """MLA key/value latent width, the cached width per token (DeepSeek-V3: 512); 'mla' needs >= 1."""
+    qk_nope_head_dim: int = 0
+    """MLA per-head query/key channels without RoPE (DeepSeek-V3: 128); 'mla' needs >= 1."""
+    qk_rope_head_dim: int = 0
+    """MLA per-head query/key channels with RoPE, the key part shared by all heads (DeepSeek-V3: 64); even."""
+    v_head_dim: int = 0
+    """MLA per-head value channels (DeepSeek-V3: 128); 'mla' needs >= 1."""
+
     # -- Mixture-of-Experts (validated by kempnerforge.config.moe.validate_moe) --------------------
     num_experts: int = 0
     """Routed experts per MoE layer; 0 = dense model (bit-identical to a config without MoE fields)."""
@@ -91,7 +107,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_positive()
-        if self.dim % self.n_heads != 0:
+        validate_attention(self)
+        if self.attention == "gqa" and self.dim % self.n_heads != 0:
             raise ValueError(
                 f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads} "
                 f"(head_dim = dim / n_heads); got remainder {self.dim % self.n_heads}"
@@ -101,7 +118,7 @@ class ModelConfig:
                 f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
                 f"(each KV head serves n_heads / n_kv_heads query heads); allowed: {_divisors(self.n_heads)}"
             )
-        if self.head_dim % 2 != 0:
+        if self.attention == "gqa" and self.head_dim % 2 != 0:
             raise ValueError(
                 f"ModelConfig head_dim = dim / n_heads = {self.dim} / {self.n_heads} = {self.head_dim} "
                 "must be even (RoPE rotates pairs of channels)"
@@ -129,6 +146,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Channels per attention head: dim / n_heads."""
         return self.dim // self.n_heads
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Channels per head that RoPE rotates (the RoPE tables' width): head_dim, or qk_rope_head_dim for MLA."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def n_kv_heads_resolved(self) -> int:
@@ -185,6 +207,8 @@ class ModelConfig:
         attn = 2 * dim * self.n_heads * hd + 2 * dim * self.n_kv_heads_resolved * hd
         if self.qk_norm:
             attn += 2 * hd
+        if self.attention == "mla":
+            attn = mla_layer_params(self)
         dense_ffn = 3 * dim * self.ffn_hidden
         blocks = 0
         for i in range(self.n_layers):
@@ -204,6 +228,9 @@ class ModelConfig:
         embedding, since the head matmul runs either way), and the second term is the attention
         score and value matmuls (QK^T and AV) without discounting the causal mask. Norm weights are
         included in N (negligible). MFU divides achieved FLOP/s by peak FLOP/s with this count.
+        With ``attention='mla'`` that term is ``6 * n_layers * n_heads * (qk_nope_head_dim + qk_rope_head_dim
+        + v_head_dim) * seq_len`` (the same count with MLA's head widths; equal to the PaLM term when both
+        widths are head_dim).
 
         Raises:
             ValueError: if ``seq_len`` is not a positive integer.
@@ -213,4 +240,7 @@ class ModelConfig:
         n_matmul = self.num_active_params(exclude_embedding=True)
         if self.tie_embeddings:
             n_matmul += self.vocab_size * self.dim
+        if self.attention == "mla":  # QK^T over qk_nope + qk_rope channels, AV over v_head_dim, per head
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            return 6 * n_matmul + 6 * self.n_layers * self.n_heads * (qk + self.v_head_dim) * seq_len
         return transformer_flops_per_token(n_matmul, self.n_layers, self.dim, seq_len)

@@ -56,7 +56,7 @@ def init_decoder_(
     Raises:
         RuntimeError: a parameter no rule covers (a new module type), naming them.
     """
-    cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, "cpu")
+    cos, sin = rope_tables(config.rope_head_dim, config.max_seq_len, config.rope_theta, "cpu")
     model.rope_cos.copy_(cos)
     model.rope_sin.copy_(sin)
     std, residual_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)

@@ -14,6 +14,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention, document_attention_mask
 from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.init import canonical_fqn
+from kempnerforge.model.mla import MultiHeadLatentAttention
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.moe import MoE
 from kempnerforge.model.norm import RMSNorm
@@ -38,7 +39,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = MultiHeadLatentAttention(config) if config.attention == "mla" else Attention(config)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         if config.is_moe_layer(layer):
             self.moe = MoE(config)
@@ -81,7 +82,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config.rope_head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tie_weights()
