@@ -80,6 +80,16 @@ class ModelConfig:
     """Routed experts each token is sent to (1..num_experts)."""
     moe_frequency: int = 1
     """Layer i is MoE when (i + 1) % moe_frequency == 0 (HF Qwen-MoE ``decoder_sparse_step``); 1 = every layer."""
+    n_dense_layers: int = 0
+    """The first n_dense_layers blocks keep the dense SwiGLU (of width ffn_hidden) whatever moe_frequency says
+    (HF DeepSeek-V3 ``first_k_dense_replace``); 0 = none."""
+    num_expert_groups: int = 1
+    """Group-limited routing (DeepSeek-V3 ``n_group``): the routed experts form this many equal groups, each token
+    picks num_limited_groups groups by the sum of their two highest (biased) scores, then top_k experts inside
+    them; 1 = no group limit."""
+    num_limited_groups: int = 1
+    """Groups each token may route to (DeepSeek-V3 ``topk_group``, 1..num_expert_groups); used when
+    num_expert_groups > 1."""
     n_shared_experts: int = 0
     """Always-active SwiGLU experts per MoE layer, each of width expert_hidden (DeepSeekMoE, arXiv:2401.06066)."""
     expert_width_multiplier: float = 1.0
@@ -179,9 +189,9 @@ class ModelConfig:
         return int(self.ffn_hidden * self.expert_width_multiplier)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """True when block ``layer`` (0-based) has an MoE feed-forward: num_experts > 0 and
-        (layer + 1) % moe_frequency == 0."""
-        return self.num_experts > 0 and (layer + 1) % self.moe_frequency == 0
+        """True when block ``layer`` (0-based) has an MoE feed-forward: num_experts > 0,
+        layer >= n_dense_layers and (layer + 1) % moe_frequency == 0."""
+        return self.num_experts > 0 and layer >= self.n_dense_layers and (layer + 1) % self.moe_frequency == 0
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Number of distinct trainable parameters, computed analytically (no model needed).
