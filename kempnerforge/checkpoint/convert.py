@@ -9,7 +9,9 @@ schedule and data position.
 
 Families: dense ``LlamaForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_llama`), softmax-routed
 ``MixtralForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_mixtral`) and softmax-routed MoE with gated
-shared experts ``Qwen2MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`). Anything without
+shared experts ``Qwen2MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`), and multi-head latent
+attention with sigmoid group-limited routing ``DeepseekV3ForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_deepseek_v3`).
+Anything without
 a faithful HF equivalent (QK-norm, sigmoid routing, route scaling, capacity dropping, ungated shared
 experts, Mixtral with MoE on some layers only) is refused with the field that prevents it: a weight
 is never dropped silently.
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from kempnerforge.checkpoint import hf_llama, hf_mixtral, hf_qwen2_moe
+from kempnerforge.checkpoint import hf_deepseek_v3, hf_llama, hf_mixtral, hf_qwen2_moe
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
 from kempnerforge.checkpoint.load import build_model, load_checkpoint_model
 from kempnerforge.config.model import ModelConfig
@@ -38,12 +40,15 @@ _NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.in
 
 
 def hf_family(cfg: ModelConfig) -> ModuleType:
-    """The mapping module for ``cfg``: :mod:`hf_llama` for dense models, :mod:`hf_mixtral` for MoE without
-    shared experts, :mod:`hf_qwen2_moe` for MoE with (gated) shared experts.
+    """The mapping module for ``cfg``: :mod:`hf_deepseek_v3` for MLA attention, else :mod:`hf_llama` for dense
+    models, :mod:`hf_mixtral` for MoE without shared experts, :mod:`hf_qwen2_moe` for MoE with (gated) shared experts.
 
     Raises:
         ValueError: the config has no faithful HF equivalent (names the field and allowed values).
     """
+    if cfg.attention == "mla":
+        hf_deepseek_v3.check_deepseek_v3_compatible(cfg)
+        return hf_deepseek_v3
     if cfg.num_experts == 0:
         if cfg.qk_norm:
             raise ValueError("ModelConfig.qk_norm=True has no LlamaForCausalLM equivalent; allowed: False")
@@ -170,7 +175,11 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         return ModelConfig(**fields)
     if kind == "qwen2_moe":
         return hf_qwen2_moe.from_hf_config(hf_config)
-    raise ValueError(f"HF model_type={kind!r} is not supported; allowed: 'llama', 'mixtral', 'qwen2_moe'")
+    if kind == "deepseek_v3":
+        return hf_deepseek_v3.from_hf_config(hf_config)
+    raise ValueError(
+        f"HF model_type={kind!r} is not supported; allowed: 'llama', 'mixtral', 'qwen2_moe', 'deepseek_v3'"
+    )
 
 
 def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ckpt") -> Path:
@@ -194,8 +203,12 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     cfg = model_config_from_hf(hf_config)
     family = hf_family(cfg)
+    extra = {}
+    if family is hf_deepseek_v3:  # weights from_pretrained would skip (MTP layers); the RoPE row layout
+        hf_deepseek_v3.check_hf_dir(hf_dir, hf_config)
+        extra["rope_interleave"] = bool(getattr(hf_config, "rope_interleave", True))
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
-    sd = family.from_hf_state_dict(hf_model.state_dict(), cfg)
+    sd = family.from_hf_state_dict(hf_model.state_dict(), cfg, **extra)
     model = build_model(cfg)
     model.load_state_dict(sd, strict=True)
     model.tie_weights()
