@@ -27,6 +27,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import attend, causal_key_mask
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import apply_rope, apply_rope_rows
+from kempnerforge.parallel.expert_tensor_parallel import grad_all_reduce
 
 
 def mla_softmax_scale(config: ModelConfig) -> float:
@@ -50,7 +51,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     Tensor parallelism shards heads: ``wq`` / ``wq_b`` and ``wkv_b`` column-wise, ``wo`` row-wise
     (:func:`~kempnerforge.model.tp_plan.dense_decoder_tp_plan`); ``wq_a``, ``wkv_a`` and the two norms see the
-    whole (replicated) input and stay replicated plain parameters whose gradients come out whole. Head counts
+    whole (replicated) input and stay replicated plain parameters whose gradients come out whole (the shared RoPE
+    key's gradient is summed over TP here, ``tp_mesh`` set by the plan). Head counts
     are read from the projections' outputs at run time, so the sharded module runs unchanged.
 
     Shapes: forward(x (batch, seq, dim), cos (seq, qk_rope_head_dim), sin (seq, qk_rope_head_dim),
@@ -76,6 +78,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = RMSNorm(self.kv_rank, eps=config.norm_eps)
         self.wkv_b = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, dim, bias=False)
+        self.tp_mesh = None  # set by the TP plan (LatentAttentionTensorParallel): heads split over it
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None = None
@@ -110,6 +113,8 @@ class MultiHeadLatentAttention(nn.Module):
         """The normalized KV latent (batch, seq, kv_lora_rank) and the shared key (batch, seq, 1, qk_rope_head_dim)
         before RoPE."""
         latent, k_pe = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        if self.tp_mesh is not None:  # every head reads the shared key; this rank holds only its own heads
+            k_pe = grad_all_reduce(k_pe, self.tp_mesh)
         return self.kv_norm(latent), k_pe.unsqueeze(2)
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,42 +23,14 @@ from kempnerforge.checkpoint.load import load_checkpoint_model
 from kempnerforge.cli import main
 from kempnerforge.config import ModelConfig
 from kempnerforge.model.generate import SamplingConfig, generate
+from tests.deepseek_tiny import HF_KW, save_tiny_deepseek_v3
 
 transformers = pytest.importorskip("transformers")
-
-HF_KW = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-             routed_scaling_factor=2.5, kv_lora_rank=24, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12,
-             qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-             max_position_embeddings=64, rope_interleave=True, eos_token_id=1, pad_token_id=0)  # fmt: skip
-
-
-def _tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, 128)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
-    fast.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
-    """A saved random-weight DeepseekV3ForCausalLM (weights large enough that routing and RoPE matter)."""
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_KW)).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if p.ndim == 1 else 0.15 * noise)
-        for layer in model.model.layers[1:]:
-            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
-    out = tmp_path_factory.mktemp("deepseek") / "hf"
-    model.save_pretrained(out)
-    _tokenizer(out)
-    return out
+    return save_tiny_deepseek_v3(tmp_path_factory.mktemp("deepseek") / "hf")
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +82,7 @@ def test_round_trip_hf_kforge_hf_is_bit_exact(hf_dir, imported, tmp_path):
 def test_kforge_generate_equals_transformers_greedy(hf_dir, imported, capsys):
     hf = _hf(hf_dir)
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    prompt = "w5 w17 w99 w3 w64 w12"
+    prompt = "ROMEO: what"
     ids = torch.tensor([tok.encode(prompt)])
     hf.generation_config.eos_token_id = None  # 20 tokens whatever they are (ours: --ignore_eos)
     expected = hf.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]

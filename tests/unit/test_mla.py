@@ -162,3 +162,23 @@ def test_validation_names_the_field(kw, message):
 def test_mla_dims_need_not_divide_dim():
     cfg = _cfg(dim=60, n_heads=8)  # 60 / 8 is not whole: MLA's head widths are explicit
     assert isinstance(Transformer(cfg).layers["0"].attention, MultiHeadLatentAttention)
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 16])
+def test_tp_plan_names_real_modules(q_lora_rank):
+    """Every key of the MLA block plan is a module of the block (apply_tp refuses unmatched keys at run time)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from kempnerforge.model.tp_plan import LatentAttentionTensorParallel
+
+    model = _model(_cfg(q_lora_rank=q_lora_rank, num_experts=4, top_k=2, n_dense_layers=1))
+    for sp in (False, True):
+        plan = model.tp_plan(sequence_parallel=sp)
+        for block_plan, block in ((plan.block, model.layers["0"]), (plan.moe_block, model.layers["1"])):
+            names = dict(block.named_modules())
+            assert set(block_plan) <= set(names), set(block_plan) - set(names)
+            assert isinstance(block_plan["attention"], LatentAttentionTensorParallel)
+            assert isinstance(block_plan["attention.wkv_b"], ColwiseParallel)
+            assert isinstance(block_plan["attention.wo"], RowwiseParallel)
+            assert isinstance(block_plan["attention.wq_b" if q_lora_rank else "attention.wq"], ColwiseParallel)
+            assert not any(k.endswith(("wq_a", "wkv_a", "q_norm", "kv_norm", "wk", "wv")) for k in block_plan)
