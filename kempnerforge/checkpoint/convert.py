@@ -7,14 +7,17 @@ directory (through ``from_pretrained``, which also understands older key layouts
 weights-only DCP checkpoint that ``kforge fit --ckpt_path`` starts from with a fresh optimizer,
 schedule and data position.
 
-Families: dense ``LlamaForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_llama`), softmax-routed
-``MixtralForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_mixtral`) and softmax-routed MoE with gated
-shared experts ``Qwen2MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`), and multi-head latent
-attention with sigmoid group-limited routing ``DeepseekV3ForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_deepseek_v3`).
-Anything without
-a faithful HF equivalent (QK-norm, sigmoid routing, route scaling, capacity dropping, ungated shared
-experts, Mixtral with MoE on some layers only) is refused with the field that prevents it: a weight
-is never dropped silently.
+Families (dispatched by :mod:`~kempnerforge.checkpoint.hf_families`): dense ``LlamaForCausalLM`` with
+``llama3`` / ``yarn`` RoPE scaling (:mod:`~kempnerforge.checkpoint.hf_llama`), ``Qwen2ForCausalLM`` (q/k/v biases,
+:mod:`~kempnerforge.checkpoint.hf_qwen2`), ``Qwen3ForCausalLM`` (QK-norm, explicit head_dim,
+:mod:`~kempnerforge.checkpoint.hf_qwen3`), ``Qwen3MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen3_moe`),
+softmax-routed ``MixtralForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_mixtral`) and softmax-routed MoE with
+gated shared experts ``Qwen2MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`), and multi-head
+latent attention with group-limited sigmoid routing ``DeepseekV3ForCausalLM``
+(:mod:`~kempnerforge.checkpoint.hf_deepseek_v3`). Anything without
+a faithful HF equivalent (sliding windows, other RoPE types, sigmoid routing, route scaling, capacity dropping,
+ungated shared experts, Mixtral with MoE on some layers only) is refused with the field that prevents it: a
+weight is never dropped silently.
 """
 
 from __future__ import annotations
@@ -28,36 +31,28 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from kempnerforge.checkpoint import hf_deepseek_v3, hf_llama, hf_mixtral, hf_qwen2_moe
+from kempnerforge.checkpoint import hf_deepseek_v3
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
+from kempnerforge.checkpoint.hf_families import family_for_config, family_for_hf_config
 from kempnerforge.checkpoint.load import build_model, load_checkpoint_model
 from kempnerforge.config.model import ModelConfig
 
 #: dtype names accepted by ``--dtype``.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Checkpoint metadata key of an imported model's special token ids (``bos/eos/pad_token_id``), restored on export.
+HF_TOKEN_IDS_KEY = "hf_token_ids"
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 #: Files of a model directory that are not the tokenizer's (never copied as tokenizer files).
 _NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.index.json")
 
 
 def hf_family(cfg: ModelConfig) -> ModuleType:
-    """The mapping module for ``cfg``: :mod:`hf_deepseek_v3` for MLA attention, else :mod:`hf_llama` for dense
-    models, :mod:`hf_mixtral` for MoE without shared experts, :mod:`hf_qwen2_moe` for MoE with (gated) shared experts.
+    """The mapping module ``cfg`` exports with (:func:`~kempnerforge.checkpoint.hf_families.family_for_config`).
 
     Raises:
         ValueError: the config has no faithful HF equivalent (names the field and allowed values).
     """
-    if cfg.attention == "mla":
-        hf_deepseek_v3.check_deepseek_v3_compatible(cfg)
-        return hf_deepseek_v3
-    if cfg.num_experts == 0:
-        if cfg.qk_norm:
-            raise ValueError("ModelConfig.qk_norm=True has no LlamaForCausalLM equivalent; allowed: False")
-        return hf_llama
-    if cfg.n_shared_experts > 0:
-        hf_qwen2_moe.check_qwen2_moe_compatible(cfg)
-        return hf_qwen2_moe
-    hf_mixtral.check_mixtral_compatible(cfg)
-    return hf_mixtral
+    return family_for_config(cfg).module
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -101,6 +96,8 @@ def dcp_to_hf(
     family = hf_family(loaded.config)
     hf_config = family.to_hf_config(loaded.config)
     hf_config.dtype = torch_dtype
+    for key, value in (loaded.meta.get(HF_TOKEN_IDS_KEY) or {}).items():  # an imported model's bos/eos/pad ids
+        setattr(hf_config, key, value)
     hf_sd = family.to_hf_state_dict(loaded.model.state_dict(), loaded.config)
     hf_sd = {k: v.detach().to(torch_dtype).contiguous() for k, v in hf_sd.items()}
     hf_model = _hf_model_with(hf_config, hf_sd, loaded.config.tie_embeddings)
@@ -152,34 +149,14 @@ def copy_tokenizer_files(tokenizer_dir: str | Path, output_dir: Path) -> list[st
 
 
 def model_config_from_hf(hf_config) -> ModelConfig:
-    """Our :class:`ModelConfig` for a ``transformers`` Llama, Mixtral or Qwen2-MoE config.
+    """Our :class:`ModelConfig` for a ``transformers`` config of a registered family (Llama, Qwen 2 / 3, Qwen3-MoE,
+    Mixtral, Qwen2-MoE; :func:`~kempnerforge.checkpoint.hf_families.family_for_hf_config`).
 
     Raises:
-        ValueError: another ``model_type``, or features our model lacks (see
-            :func:`hf_llama.from_hf_config`; Mixtral: a sliding window shorter than the context).
+        ValueError: another ``model_type``, or features our model lacks (each family's ``from_hf_config`` names the
+            HF field: sliding windows, other RoPE types, biases on o_proj, ``mlp_only_layers``, ...).
     """
-    kind = getattr(hf_config, "model_type", None)
-    if kind == "llama":
-        return hf_llama.from_hf_config(hf_config)
-    if kind == "mixtral":
-        window = getattr(hf_config, "sliding_window", None)
-        if window is not None and window < hf_config.max_position_embeddings:
-            raise ValueError(
-                f"MixtralConfig.sliding_window={window} is not supported (kempnerforge attends to the full "
-                f"context); allowed: None or >= max_position_embeddings={hf_config.max_position_embeddings}"
-            )
-        # A Mixtral config reads as a Llama config plus the expert fields.
-        dense = hf_llama.from_hf_config(hf_config)
-        fields = asdict(dense)
-        fields.update(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok)
-        return ModelConfig(**fields)
-    if kind == "qwen2_moe":
-        return hf_qwen2_moe.from_hf_config(hf_config)
-    if kind == "deepseek_v3":
-        return hf_deepseek_v3.from_hf_config(hf_config)
-    raise ValueError(
-        f"HF model_type={kind!r} is not supported; allowed: 'llama', 'mixtral', 'qwen2_moe', 'deepseek_v3'"
-    )
+    return family_for_hf_config(hf_config).module.from_hf_config(hf_config)
 
 
 def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ckpt") -> Path:
@@ -195,14 +172,14 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
         The checkpoint directory.
 
     Raises:
-        ValueError: an unsupported model (:func:`model_config_from_hf`, :func:`hf_family`).
+        ValueError: an unsupported model (:func:`model_config_from_hf`).
         KeyError: HF weights with no counterpart in our model, or missing weights.
     """
     from transformers import AutoConfig, AutoModelForCausalLM  # local import: transformers is slow to import
 
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    cfg = model_config_from_hf(hf_config)
-    family = hf_family(cfg)
+    family = family_for_hf_config(hf_config).module
+    cfg = family.from_hf_config(hf_config)
     extra = {}
     if family is hf_deepseek_v3:  # weights from_pretrained would skip (MTP layers); the RoPE row layout
         hf_deepseek_v3.check_hf_dir(hf_dir, hf_config)
@@ -212,13 +189,15 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     model = build_model(cfg)
     model.load_state_dict(sd, strict=True)
     model.tie_weights()
-    return write_weights_checkpoint(model, cfg, output_dir, name, source=str(hf_dir))
+    token_ids = {k: getattr(hf_config, k, None) for k in _TOKEN_IDS}
+    return write_weights_checkpoint(model, cfg, output_dir, name, source=str(hf_dir), token_ids=token_ids)
 
 
 def write_weights_checkpoint(
-    model: nn.Module, cfg: ModelConfig, output_dir: str | Path, name: str, source: str
+    model: nn.Module, cfg: ModelConfig, output_dir: str | Path, name: str, source: str, token_ids: dict | None = None
 ) -> Path:
-    """Write ``model``'s weights as a kempnerforge checkpoint (keys as ``CausalLM`` saves them) plus ``model.yaml``."""
+    """Write ``model``'s weights as a kempnerforge checkpoint (keys as ``CausalLM`` saves them) plus ``model.yaml``;
+    ``token_ids`` (an HF config's ``bos/eos/pad_token_id``) are kept for :func:`dcp_to_hf`."""
     import lightning
 
     holder = nn.Module()  # CausalLM keeps its decoder under ``model``: same FQNs as a training save
@@ -233,6 +212,8 @@ def write_weights_checkpoint(
         WEIGHTS_ONLY_KEY: True,
         "source": source,
     }
+    if token_ids is not None:
+        checkpoint[HF_TOKEN_IDS_KEY] = token_ids
     DCPCheckpointIO().save_checkpoint(checkpoint, out / name)
     (out / "model.yaml").write_text(_model_yaml(cfg))
     return out / name

@@ -26,8 +26,13 @@ Weights, per block (``layers.{i}.`` <-> ``model.layers.{i}.``):
 
 Refused, naming the field: multi-token-prediction weights on disk (``num_nextn_predict_layers``), FP8
 block-quantized checkpoints (``quantization_config``), an activation other than silu, attention biases or dropout,
-``num_key_value_heads != num_attention_heads``, RoPE scaling (until the model has it), ``rms_norm_eps`` other than
-1e-6 (HF's latent norms hard-code 1e-6, ours use ``norm_eps``), no shared experts.
+``num_key_value_heads != num_attention_heads``, RoPE types other than default / llama3 / yarn, ``rms_norm_eps`` other
+than 1e-6 (HF's latent norms hard-code 1e-6, ours use ``norm_eps``), no shared experts.
+
+YaRN (DeepSeek-V3's long-context RoPE): ``rope_parameters`` map to ``ModelConfig.rope_scaling`` (tables over the
+``qk_rope_head_dim`` channels, cos/sin times the ``mscale / mscale_all_dim`` attention factor) and the softmax scale
+is multiplied by ``yarn_get_mscale(factor, mscale_all_dim) ** 2`` (:func:`kempnerforge.model.mla.mla_softmax_scale`),
+as HF ``DeepseekV3Attention`` does.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ import torch
 from kempnerforge.checkpoint import hf_llama
 from kempnerforge.config.model import ModelConfig
 
+ARCHITECTURE = "DeepseekV3ForCausalLM"
+MODEL_TYPE = "deepseek_v3"
 #: HF DeepseekV3RMSNorm's eps inside DeepseekV3Attention (q_a_layernorm, kv_a_layernorm): fixed, not rms_norm_eps.
 HF_LATENT_NORM_EPS = 1e-6
 _ATTN = {
@@ -92,6 +99,9 @@ def check_deepseek_v3_compatible(cfg: ModelConfig) -> None:
             )
 
 
+check_compatible = check_deepseek_v3_compatible
+
+
 def to_hf_config(cfg: ModelConfig):
     """The ``transformers.DeepseekV3Config`` for ``cfg`` (``rope_interleave=True``, no MTP layers).
 
@@ -128,7 +138,7 @@ def to_hf_config(cfg: ModelConfig):
         initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        rope_parameters=hf_llama.hf_rope_parameters(cfg),
         rope_interleave=True,
         attention_bias=False,
         num_nextn_predict_layers=0,
@@ -140,10 +150,10 @@ def from_hf_config(hf_cfg) -> ModelConfig:
 
     Raises:
         ValueError: naming the field: ``quantization_config`` set, ``hidden_act`` != silu, ``attention_bias``,
-            ``attention_dropout`` != 0, ``num_key_value_heads`` != ``num_attention_heads``, a ``rope_type`` other
-            than 'default', ``rms_norm_eps`` != 1e-6, ``n_shared_experts`` == 0 with MoE layers.
+            ``attention_dropout`` != 0, ``num_key_value_heads`` != ``num_attention_heads``, ``rms_norm_eps`` != 1e-6,
+            ``n_shared_experts`` == 0 with MoE layers; a RoPE type other than default / llama3 / yarn
+            (:func:`~kempnerforge.checkpoint.hf_llama.rope_from_hf`).
     """
-    rope = dict(getattr(hf_cfg, "rope_parameters", None) or {})
     heads = hf_cfg.num_attention_heads
     checks = (
         ("quantization_config", getattr(hf_cfg, "quantization_config", None) is None, "none (dequantize first)"),
@@ -158,10 +168,7 @@ def from_hf_config(hf_cfg) -> ModelConfig:
             raise ValueError(
                 f"DeepseekV3Config.{field}={getattr(hf_cfg, field)!r} is not supported; allowed: {allowed}"
             )
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"DeepseekV3Config.rope_parameters rope_type={rope.get('rope_type')!r} is not supported; allowed: 'default'"
-        )
+    theta, scaling = hf_llama.rope_from_hf(hf_cfg, "DeepseekV3Config")
     n_dense = hf_cfg.first_k_dense_replace or 0
     moe = n_dense < hf_cfg.num_hidden_layers
     fields = dict(
@@ -172,7 +179,8 @@ def from_hf_config(hf_cfg) -> ModelConfig:
         max_seq_len=hf_cfg.max_position_embeddings,
         ffn_hidden_dim=hf_cfg.intermediate_size,
         norm_eps=hf_cfg.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_theta=theta,
+        rope_scaling=scaling,
         tie_embeddings=bool(hf_cfg.tie_word_embeddings),
         init_std=hf_cfg.initializer_range,
         attention="mla",

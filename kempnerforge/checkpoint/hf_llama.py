@@ -13,6 +13,17 @@ from collections.abc import Mapping
 import torch
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.config.rope import RopeScaling
+
+ARCHITECTURE = "LlamaForCausalLM"
+MODEL_TYPE = "llama"
+#: transformers' ``rope_parameters`` keys of each scaling type, and the defaults transformers assumes when absent.
+_ROPE_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}  # fmt: skip
+_HF_ROPE_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
 
 # Per-block renames: ours -> HF, relative to "layers.{i}." / "model.layers.{i}.".
 _BLOCK_KEYS = {
@@ -26,6 +37,14 @@ _BLOCK_KEYS = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# Present only with ModelConfig.attention_bias (Qwen 2) / qk_norm (Qwen 3); the families check the config first.
+_BIAS_KEYS = {f"attention.w{c}.bias": f"self_attn.{c}_proj.bias" for c in "qkv"}
+_QK_NORM_KEYS = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
+_BLOCK_KEYS.update(_BIAS_KEYS)
+_BLOCK_KEYS.update(_QK_NORM_KEYS)
 _BLOCK_KEYS_INV = {hf: ours for ours, hf in _BLOCK_KEYS.items()}
 _TOP_KEYS = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -56,8 +75,129 @@ def decoder_hf_kwargs(cfg: ModelConfig) -> dict:
         "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        "rope_parameters": hf_rope_parameters(cfg),
     }
+
+
+def hf_rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers >= 5 ``rope_parameters`` for ``cfg``: ``rope_type`` ('default', 'llama3' or 'yarn'),
+    ``rope_theta`` and the scaling type's fields (yarn's optional ones only when set / not transformers' default)."""
+    params: dict = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    scaling = cfg.rope_scaling
+    if scaling is not None:
+        params["rope_type"] = scaling.rope_type
+        for key in _ROPE_KEYS[scaling.rope_type]:
+            value = getattr(scaling, key)
+            if value is not None and not (key in _HF_ROPE_DEFAULTS and value == _HF_ROPE_DEFAULTS[key]):
+                params[key] = value
+    return params
+
+
+def rope_from_hf(hf_cfg, name: str) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` for a transformers config (``rope_parameters``, or the older ``rope_scaling``).
+
+    Args:
+        hf_cfg: a transformers config.
+        name: its class name for error messages (e.g. "LlamaConfig").
+
+    Raises:
+        ValueError: naming the field: a ``rope_type`` other than default / llama3 / yarn (linear, dynamic,
+            longrope, ...), ``partial_rotary_factor`` != 1, or a yarn config without ``original_max_position_embeddings``.
+    """
+    rope = dict(getattr(hf_cfg, "rope_parameters", None) or {})
+    legacy = dict(getattr(hf_cfg, "rope_scaling", None) or {})
+    rope = {**legacy, **rope}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0)))
+    partial = rope.get("partial_rotary_factor", getattr(hf_cfg, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(
+            f"{name}.partial_rotary_factor={partial} is not supported; allowed: 1.0 (RoPE on every channel)"
+        )
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in _ROPE_KEYS:
+        raise ValueError(
+            f"{name}.rope_parameters.rope_type={rope_type!r} is not supported; allowed: 'default', 'llama3', 'yarn'"
+        )
+    if rope.get("original_max_position_embeddings") is None:
+        raise ValueError(f"{name}.rope_parameters.original_max_position_embeddings is missing (needed by {rope_type})")
+    fields = {k: rope[k] for k in _ROPE_KEYS[rope_type] if rope.get(k) is not None}
+    if rope_type == "yarn" and fields.get("factor") is None:  # transformers: the context ratio
+        fields["factor"] = hf_cfg.max_position_embeddings / fields["original_max_position_embeddings"]
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
+        if key in fields:
+            fields[key] = float(fields[key])
+    return theta, RopeScaling(rope_type=rope_type, **fields)
+
+
+def dense_fields_from_hf(hf_cfg, name: str) -> dict:
+    """The :class:`ModelConfig` fields every Llama-like transformers config shares (Llama, Mistral/Mixtral, Qwen 2/3,
+    Qwen-MoE): sizes, ``head_dim`` (None when it is hidden_size / num_attention_heads), norm eps, RoPE and tying.
+
+    Raises:
+        ValueError: ``hidden_act`` other than silu, or :func:`rope_from_hf`'s refusals (naming ``name``'s field).
+    """
+    if hf_cfg.hidden_act != "silu":
+        raise ValueError(f"{name}.hidden_act={hf_cfg.hidden_act!r} is not supported; allowed: 'silu'")
+    theta, scaling = rope_from_hf(hf_cfg, name)
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    derived = (
+        hf_cfg.hidden_size % hf_cfg.num_attention_heads == 0
+        and head_dim * hf_cfg.num_attention_heads == hf_cfg.hidden_size
+    )
+    return dict(
+        dim=hf_cfg.hidden_size,
+        n_layers=hf_cfg.num_hidden_layers,
+        n_heads=hf_cfg.num_attention_heads,
+        n_kv_heads=hf_cfg.num_key_value_heads,
+        vocab_size=hf_cfg.vocab_size,
+        max_seq_len=hf_cfg.max_position_embeddings,
+        ffn_hidden_dim=hf_cfg.intermediate_size,
+        norm_eps=hf_cfg.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        head_dim=None if derived else head_dim,
+        tie_embeddings=bool(hf_cfg.tie_word_embeddings),
+        init_std=hf_cfg.initializer_range,
+    )
+
+
+def refuse_sliding_window(hf_cfg, name: str) -> None:
+    """Refuse sliding-window attention (kempnerforge attends to the full causal context).
+
+    Raises:
+        ValueError: ``use_sliding_window`` True, a ``sliding_window`` shorter than the context (Mistral style,
+            without the flag), or ``layer_types`` holding a layer other than 'full_attention'.
+    """
+    if getattr(hf_cfg, "use_sliding_window", False):
+        raise ValueError(
+            f"{name}.use_sliding_window=True is not supported (full causal attention only); allowed: False"
+        )
+    window = getattr(hf_cfg, "sliding_window", None)
+    if window is not None and not hasattr(hf_cfg, "use_sliding_window") and window < hf_cfg.max_position_embeddings:
+        raise ValueError(
+            f"{name}.sliding_window={window} is not supported (full causal attention only); allowed: None or "
+            f">= max_position_embeddings={hf_cfg.max_position_embeddings}"
+        )
+    other = sorted(set(getattr(hf_cfg, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if other:
+        raise ValueError(f"{name}.layer_types holds {other}; allowed: only 'full_attention'")
+
+
+def check_compatible(cfg: ModelConfig) -> None:
+    """Refuse what ``LlamaForCausalLM`` cannot represent.
+
+    Raises:
+        ValueError: naming the field: ``num_experts`` != 0, ``qk_norm`` True, ``attention_bias`` True (HF Llama's
+            ``attention_bias`` also puts a bias on o_proj, ours does not).
+    """
+    for field, ok, allowed in (("num_experts", cfg.num_experts == 0, "0"), ("qk_norm", not cfg.qk_norm, "False"),
+                               ("attention_bias", not cfg.attention_bias, "False (Qwen2ForCausalLM has q/k/v biases)")):  # fmt: skip
+        if not ok:
+            raise ValueError(
+                f"ModelConfig.{field}={getattr(cfg, field)!r} has no HF LlamaForCausalLM equivalent; allowed: {allowed}"
+            )
 
 
 def to_hf_config(cfg: ModelConfig):
@@ -67,12 +207,11 @@ def to_hf_config(cfg: ModelConfig):
     ``rope_theta`` keyword of transformers 4 is gone from the signature).
 
     Raises:
-        ValueError: if ``cfg.qk_norm`` is set (HF Llama has no QK-norm).
+        ValueError: see :func:`check_compatible`.
     """
     from transformers import LlamaConfig  # local import: transformers is slow to import
 
-    if cfg.qk_norm:
-        raise ValueError("ModelConfig.qk_norm=True has no HF LlamaForCausalLM equivalent; allowed: False")
+    check_compatible(cfg)
     return LlamaConfig(
         **decoder_hf_kwargs(cfg),
         intermediate_size=cfg.ffn_hidden,
@@ -82,40 +221,17 @@ def to_hf_config(cfg: ModelConfig):
 
 
 def from_hf_config(hf_cfg) -> ModelConfig:
-    """The ``ModelConfig`` for a ``transformers.LlamaConfig`` (inverse of :func:`to_hf_config`).
+    """The ``ModelConfig`` for a ``transformers.LlamaConfig`` (inverse of :func:`to_hf_config`), with ``llama3``
+    (Llama 3.1-3.3) or ``yarn`` RoPE scaling and an explicit ``head_dim``.
 
     Raises:
-        ValueError: for features our model does not implement: RoPE scaling (``rope_type`` other
-            than "default", e.g. Llama-3.1's "llama3"), attention/MLP biases, an activation other
-            than silu, or ``head_dim != hidden_size / num_attention_heads``.
+        ValueError: for features our model does not implement: attention/MLP biases (HF Llama's include o_proj),
+            an activation other than silu, another RoPE type (:func:`rope_from_hf`).
     """
-    rope = dict(getattr(hf_cfg, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"LlamaConfig rope_type={rope.get('rope_type')!r} is not supported; allowed: 'default'")
     for field in ("attention_bias", "mlp_bias"):
         if getattr(hf_cfg, field, False):
             raise ValueError(f"LlamaConfig.{field}=True is not supported; allowed: False")
-    if hf_cfg.hidden_act != "silu":
-        raise ValueError(f"LlamaConfig.hidden_act={hf_cfg.hidden_act!r} is not supported; allowed: 'silu'")
-    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
-    if head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size:
-        raise ValueError(
-            f"LlamaConfig.head_dim={head_dim} must equal hidden_size / num_attention_heads "
-            f"= {hf_cfg.hidden_size} / {hf_cfg.num_attention_heads}"
-        )
-    return ModelConfig(
-        dim=hf_cfg.hidden_size,
-        n_layers=hf_cfg.num_hidden_layers,
-        n_heads=hf_cfg.num_attention_heads,
-        n_kv_heads=hf_cfg.num_key_value_heads,
-        vocab_size=hf_cfg.vocab_size,
-        max_seq_len=hf_cfg.max_position_embeddings,
-        ffn_hidden_dim=hf_cfg.intermediate_size,
-        norm_eps=hf_cfg.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        tie_embeddings=bool(hf_cfg.tie_word_embeddings),
-        init_std=hf_cfg.initializer_range,
-    )
+    return ModelConfig(**dense_fields_from_hf(hf_cfg, "LlamaConfig"))
 
 
 def _is_tied(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None) -> bool:
@@ -156,7 +272,10 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None = N
 
 def _expected_keys(cfg: ModelConfig) -> set[str]:
     keys = {"tok_embeddings.weight", "norm.weight", "output.weight"}
-    keys |= {f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in _BLOCK_KEYS}
+    block = set(_BLOCK_KEYS)
+    block -= set() if cfg.attention_bias else set(_BIAS_KEYS)
+    block -= set() if cfg.qk_norm else set(_QK_NORM_KEYS)
+    keys |= {f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in block}
     return keys
 
 
@@ -166,14 +285,13 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     The result loads with ``Transformer(cfg).load_state_dict(..., strict=True)``: with
     ``cfg.tie_embeddings`` any ``lm_head.weight`` is dropped and ``output.weight`` is the same tensor
     as ``tok_embeddings.weight``. RoPE ``inv_freq`` buffers of old checkpoints are skipped.
+    Also the dense Qwen 2 / Qwen 3 mapping: q/k/v biases and q_norm/k_norm keep their HF names under
+    ``self_attn``; which of them must be present follows ``cfg.attention_bias`` / ``cfg.qk_norm``.
 
     Raises:
-        KeyError: naming an HF key with no counterpart (or a layer index >= cfg.n_layers), or an
-            expected key that is missing.
-        ValueError: if ``cfg.qk_norm`` is set (HF Llama checkpoints have no QK-norm weights).
+        KeyError: naming an HF key with no counterpart (or a layer index >= cfg.n_layers), an
+            expected key that is missing, or one the config has no place for (e.g. a bias without attention_bias).
     """
-    if cfg.qk_norm:
-        raise ValueError("ModelConfig.qk_norm=True has no HF LlamaForCausalLM equivalent; allowed: False")
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         if _HF_IGNORED.match(key):
@@ -192,4 +310,7 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     missing = sorted(_expected_keys(cfg) - out.keys())
     if missing:
         raise KeyError(f"from_hf_state_dict: HF state dict lacks weights for {missing}")
+    extra = sorted(out.keys() - _expected_keys(cfg))
+    if extra:
+        raise KeyError(f"from_hf_state_dict: HF weights {extra} have no place in this config")
     return out

@@ -20,6 +20,9 @@ import torch
 from kempnerforge.checkpoint import hf_llama
 from kempnerforge.config.model import ModelConfig
 
+ARCHITECTURE = "MixtralForCausalLM"
+MODEL_TYPE = "mixtral"
+
 _MOE_KEY = re.compile(r"^layers\.(\d+)\.moe\.(router\.gate\.weight|router\.expert_bias|experts\.w[123])$")
 _HF_MOE_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
 
@@ -29,8 +32,9 @@ def check_mixtral_compatible(cfg: ModelConfig) -> None:
 
     Raises:
         ValueError: naming the field: ``num_experts`` == 0, ``moe_frequency`` != 1, ``n_shared_experts``
-            != 0, ``n_dense_layers`` != 0, ``num_expert_groups`` != 1, ``router`` != 'softmax', ``router_renormalize`` False, ``route_scale`` != 1,
-            ``capacity_factor`` != 0 (Mixtral never drops tokens), ``qk_norm``.
+            != 0, ``n_dense_layers`` != 0, ``num_expert_groups`` != 1, ``router`` != 'softmax',
+            ``router_renormalize`` False, ``route_scale`` != 1, ``capacity_factor`` != 0 (Mixtral never drops
+            tokens), ``qk_norm``, ``attention_bias``.
     """
     rules = (
         ("num_experts", cfg.num_experts > 0, "> 0"),
@@ -43,12 +47,29 @@ def check_mixtral_compatible(cfg: ModelConfig) -> None:
         ("route_scale", cfg.route_scale == 1.0, "1.0"),
         ("capacity_factor", cfg.capacity_factor == 0, "0"),
         ("qk_norm", not cfg.qk_norm, "False"),
+        ("attention_bias", not cfg.attention_bias, "False"),
     )
     for field, ok, allowed in rules:
         if not ok:
             raise ValueError(
                 f"ModelConfig.{field}={getattr(cfg, field)!r} has no MixtralForCausalLM equivalent; allowed: {allowed}"
             )
+
+
+check_compatible = check_mixtral_compatible
+
+
+def from_hf_config(hf_cfg) -> ModelConfig:
+    """Our :class:`ModelConfig` for a ``MixtralConfig``: the Llama fields plus ``num_local_experts`` /
+    ``num_experts_per_tok`` (experts of width ``intermediate_size``, softmax router, renormalized top-k).
+
+    Raises:
+        ValueError: a sliding window shorter than the context, or :func:`hf_llama.dense_fields_from_hf`'s refusals.
+    """
+    hf_llama.refuse_sliding_window(hf_cfg, "MixtralConfig")
+    fields = hf_llama.dense_fields_from_hf(hf_cfg, "MixtralConfig")
+    fields.update(num_experts=hf_cfg.num_local_experts, top_k=hf_cfg.num_experts_per_tok)
+    return ModelConfig(**fields)
 
 
 def to_hf_config(cfg: ModelConfig):
@@ -80,6 +101,17 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         KeyError: naming a key with no Mixtral counterpart.
     """
     check_mixtral_compatible(cfg)
+    return moe_to_hf(sd, cfg)
+
+
+def moe_to_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our MoE state dict (router + packed routed experts, no shared experts) under the Mixtral / Qwen3-MoE keys of
+    transformers 5 (``mlp.gate.weight``, ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``); every other key
+    through the Llama mapping. No compatibility check: the family's ``to_hf_state_dict`` does it.
+
+    Raises:
+        KeyError: from the Llama mapping, naming a key without counterpart.
+    """
     dense, out = {}, {}
     experts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in sd.items():

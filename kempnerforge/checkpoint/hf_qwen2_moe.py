@@ -11,19 +11,22 @@ are one SwiGLU of width ``n * h`` (rows of w1/w3 and columns of w2 concatenated)
 - ``cat(shared_experts.{s}.w1)`` / ``w3`` / ``w2`` <-> ``mlp.shared_expert.gate_proj`` / ``up_proj`` / ``down_proj``
 - ``moe.shared_gate.weight`` <-> ``mlp.shared_expert_gate.weight``
 
-Attention, norms, embeddings, head and dense layers use the Llama mapping (``qkv_bias=False``).
+Attention, norms, embeddings, head and dense layers use the Llama mapping; ``qkv_bias`` is our ``attention_bias``
+(q/k/v only, as Qwen2-MoE).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict
 
 import torch
 
 from kempnerforge.checkpoint import hf_llama
 from kempnerforge.config.model import ModelConfig
+
+ARCHITECTURE = "Qwen2MoeForCausalLM"
+MODEL_TYPE = "qwen2_moe"
 
 _MOE_KEY = re.compile(r"^layers\.(\d+)\.moe\.(.+)$")
 _HF_MOE_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\..+|shared_expert.*)$")
@@ -56,8 +59,13 @@ def check_qwen2_moe_compatible(cfg: ModelConfig) -> None:
             )
 
 
+def check_compatible(cfg: ModelConfig) -> None:
+    """:func:`check_qwen2_moe_compatible` (the registry's name for it)."""
+    check_qwen2_moe_compatible(cfg)
+
+
 def to_hf_config(cfg: ModelConfig):
-    """The ``transformers.Qwen2MoeConfig`` for ``cfg`` (no QKV bias, no sliding window).
+    """The ``transformers.Qwen2MoeConfig`` for ``cfg`` (``qkv_bias`` = ``attention_bias``, no sliding window).
 
     Raises:
         ValueError: see :func:`check_qwen2_moe_compatible`.
@@ -75,7 +83,7 @@ def to_hf_config(cfg: ModelConfig):
         norm_topk_prob=cfg.router_renormalize,
         decoder_sparse_step=cfg.moe_frequency,
         mlp_only_layers=[],
-        qkv_bias=False,
+        qkv_bias=cfg.attention_bias,
         use_sliding_window=False,
         output_router_logits=False,
     )
@@ -85,34 +93,41 @@ def from_hf_config(hf_cfg) -> ModelConfig:
     """Our :class:`ModelConfig` for a ``Qwen2MoeConfig``.
 
     Raises:
-        ValueError: ``qkv_bias``, a sliding window, ``mlp_only_layers``, or a shared-expert width that
-            is not a whole number of routed-expert widths; plus :func:`hf_llama.from_hf_config`'s refusals.
+        ValueError: a sliding window, ``mlp_only_layers``, or a shared-expert width that is not a whole number of
+            routed-expert widths; plus :func:`hf_llama.dense_fields_from_hf`'s refusals.
     """
-    for field, bad in (("qkv_bias", getattr(hf_cfg, "qkv_bias", False)),
-                       ("use_sliding_window", getattr(hf_cfg, "use_sliding_window", False)),
-                       ("mlp_only_layers", list(getattr(hf_cfg, "mlp_only_layers", None) or []))):  # fmt: skip
-        if bad:
-            raise ValueError(f"Qwen2MoeConfig.{field}={bad!r} is not supported; allowed: False / []")
+    hf_llama.refuse_sliding_window(hf_cfg, "Qwen2MoeConfig")
+    only = list(getattr(hf_cfg, "mlp_only_layers", None) or [])
+    if only:
+        raise ValueError(
+            f"Qwen2MoeConfig.mlp_only_layers={only} is not supported; allowed: [] (use decoder_sparse_step)"
+        )
     expert, shared = hf_cfg.moe_intermediate_size, hf_cfg.shared_expert_intermediate_size
     if shared % expert:
         raise ValueError(
             f"Qwen2MoeConfig.shared_expert_intermediate_size={shared} must be a multiple of "
             f"moe_intermediate_size={expert} (kempnerforge's shared experts have the routed experts' width)"
         )
-    fields = asdict(hf_llama.from_hf_config(hf_cfg))
-    multiplier = expert / hf_cfg.intermediate_size
-    if int(hf_cfg.intermediate_size * multiplier) != expert:  # float rounding: nudge up to the exact width
-        multiplier = (expert + 0.5) / hf_cfg.intermediate_size
+    fields = hf_llama.dense_fields_from_hf(hf_cfg, "Qwen2MoeConfig")
+    fields["attention_bias"] = bool(getattr(hf_cfg, "qkv_bias", False))
+    fields["expert_width_multiplier"] = expert_width_multiplier(hf_cfg.intermediate_size, expert)
     fields.update(
         num_experts=hf_cfg.num_experts,
         top_k=hf_cfg.num_experts_per_tok,
         moe_frequency=hf_cfg.decoder_sparse_step,
         n_shared_experts=shared // expert,
-        expert_width_multiplier=multiplier,
         shared_expert_gate=True,
         router_renormalize=bool(hf_cfg.norm_topk_prob),
     )
     return ModelConfig(**fields)
+
+
+def expert_width_multiplier(ffn_hidden: int, expert_hidden: int) -> float:
+    """The ``expert_width_multiplier`` with ``int(ffn_hidden * m) == expert_hidden`` (exact under float rounding)."""
+    multiplier = expert_hidden / ffn_hidden
+    if int(ffn_hidden * multiplier) != expert_hidden:  # float rounding: nudge up to the exact width
+        multiplier = (expert_hidden + 0.5) / ffn_hidden
+    return multiplier
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from kempnerforge.checkpoint.dcp_io import META_FILE, DCPCheckpointIO
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.rope import model_rope_tables
 from kempnerforge.model.transformer import Transformer
 
 #: Prefix of the model's keys in a checkpoint: Lightning's ``state_dict`` of ``CausalLM`` holds ``model.*``.
@@ -78,7 +78,7 @@ def build_model(config: ModelConfig, device: torch.device | str = "cpu") -> Tran
         model = Transformer(config)
     model.to_empty(device=device)
     model.tie_weights()
-    cos, sin = rope_tables(config.rope_head_dim, config.max_seq_len, config.rope_theta, "cpu")
+    cos, sin = model_rope_tables(config, "cpu")
     with torch.no_grad():
         model.rope_cos.copy_(cos)
         model.rope_sin.copy_(sin)

@@ -23,6 +23,8 @@ class AttentionFields(Protocol):
     dim: int
     n_heads: int
     n_kv_heads: int | None
+    head_dim: int | None
+    attention_bias: bool
     qk_norm: bool
     attention: str
     q_lora_rank: int
@@ -71,6 +73,25 @@ def validate_attention(cfg: AttentionFields) -> None:
         )
     if cfg.qk_norm:
         raise ValueError("ModelConfig.qk_norm=True is not allowed with attention='mla' (MLA normalizes its latents)")
+
+
+def validate_mla_extras(cfg: AttentionFields) -> None:
+    """With ``attention='mla'``, refuse the GQA-only fields that would be ignored (after ``head_dim`` is resolved).
+
+    Raises:
+        ValueError: naming the field: ``head_dim`` other than None / ``dim // n_heads`` (MLA's head widths are
+            ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``), ``attention_bias`` True (MLA's
+            projections are bias-free, as DeepSeek-V3's).
+    """
+    if cfg.attention != "mla":
+        return
+    if cfg.head_dim != cfg.dim // cfg.n_heads:
+        raise ValueError(
+            f"ModelConfig.head_dim={cfg.head_dim} is not used with attention='mla' (its head widths are "
+            "qk_nope_head_dim, qk_rope_head_dim and v_head_dim); leave it None"
+        )
+    if cfg.attention_bias:
+        raise ValueError("ModelConfig.attention_bias=True is not allowed with attention='mla'; allowed: False")
 
 
 def mla_layer_params(cfg: AttentionFields) -> int:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kempnerforge.config.mla import mla_layer_params, validate_attention
+from kempnerforge.config.mla import mla_layer_params, validate_attention, validate_mla_extras
 from kempnerforge.config.moe import moe_layer_params, validate_moe
+from kempnerforge.config.rope import RopeScaling, rope_scaling_from_dict
 from kempnerforge.metrics.flops import transformer_flops_per_token
 
 
@@ -25,8 +26,9 @@ class ModelConfig:
 
     Raises:
         ValueError: on construction, naming the offending field and the allowed values, when a size
-            is not positive, ``dim`` is not divisible by ``n_heads``, ``n_heads`` is not divisible by
-            ``n_kv_heads``, or ``head_dim`` is odd (RoPE rotates channel pairs).
+            is not positive, ``dim`` is not divisible by ``n_heads`` (with ``head_dim=None``), ``n_heads`` is
+            not divisible by ``n_kv_heads``, ``head_dim`` is odd (RoPE rotates channel pairs), or
+            ``rope_scaling`` is invalid (:class:`~kempnerforge.config.rope.RopeScaling`).
     """
 
     dim: int = 256
@@ -34,7 +36,7 @@ class ModelConfig:
     n_layers: int = 4
     """Number of transformer blocks."""
     n_heads: int = 8
-    """Number of query heads; head_dim = dim / n_heads."""
+    """Number of query heads; head_dim = dim / n_heads unless ``head_dim`` is set."""
     n_kv_heads: int | None = None
     """Number of key/value heads for grouped-query attention (GQA, arXiv:2305.13245); None = n_heads (MHA)."""
     vocab_size: int = 50257
@@ -57,6 +59,14 @@ class ModelConfig:
     """Share one matrix between the token embedding and the output head."""
     init_std: float = 0.02
     """Std of the truncated-normal (+-3 std) init of embeddings and linears; wo/w2 get 1/sqrt(2*n_layers) of it."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE context extension ('llama3' of Llama 3.1-3.3, or 'yarn'); None = plain RoPE. A dict of
+    :class:`~kempnerforge.config.rope.RopeScaling` fields is accepted (checkpoint metadata, YAML)."""
+    head_dim: int | None = None
+    """Channels per attention head (even); None = dim / n_heads, resolved on construction. Qwen 3 sets it
+    so that n_heads * head_dim != dim (wq: dim -> n_heads * head_dim, wo back to dim)."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections, not on the output projection (Qwen 2 / 2.5); zeros at init."""
 
     # -- Attention kind (validated by kempnerforge.config.mla.validate_attention) -----------------------
     attention: str = "gqa"
@@ -118,7 +128,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self._check_positive()
         validate_attention(self)
-        if self.attention == "gqa" and self.dim % self.n_heads != 0:
+        self.rope_scaling = rope_scaling_from_dict(self.rope_scaling)
+        if self.head_dim is not None:
+            if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
+                raise ValueError(f"ModelConfig.head_dim={self.head_dim!r} must be a positive even integer or None")
+        elif self.attention == "gqa" and self.dim % self.n_heads != 0:
             raise ValueError(
                 f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads} "
                 f"(head_dim = dim / n_heads); got remainder {self.dim % self.n_heads}"
@@ -128,11 +142,18 @@ class ModelConfig:
                 f"ModelConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
                 f"(each KV head serves n_heads / n_kv_heads query heads); allowed: {_divisors(self.n_heads)}"
             )
-        if self.attention == "gqa" and self.head_dim % 2 != 0:
-            raise ValueError(
-                f"ModelConfig head_dim = dim / n_heads = {self.dim} / {self.n_heads} = {self.head_dim} "
-                "must be even (RoPE rotates pairs of channels)"
-            )
+        if self.head_dim is None:
+            if self.attention == "gqa" and self.dim // self.n_heads % 2 != 0:
+                raise ValueError(
+                    f"ModelConfig head_dim = dim / n_heads = {self.dim} / {self.n_heads} = {self.dim // self.n_heads} "
+                    "must be even (RoPE rotates pairs of channels)"
+                )
+            self.head_dim = self.dim // self.n_heads  # MLA: unused (its head widths are its own fields)
+        elif self.attention == "gqa" and self.head_dim % 2 != 0:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs of channels)")
+        if not isinstance(self.attention_bias, bool):
+            raise ValueError(f"ModelConfig.attention_bias={self.attention_bias!r} must be True or False")
+        validate_mla_extras(self)
         validate_moe(self)
 
     def _check_positive(self) -> None:
@@ -151,11 +172,6 @@ class ModelConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number (> 0)")
-
-    @property
-    def head_dim(self) -> int:
-        """Channels per attention head: dim / n_heads."""
-        return self.dim // self.n_heads
 
     @property
     def rope_head_dim(self) -> int:
@@ -215,6 +231,8 @@ class ModelConfig:
     def _count_params(self, exclude_embedding: bool, active: bool) -> int:
         dim, hd = self.dim, self.head_dim
         attn = 2 * dim * self.n_heads * hd + 2 * dim * self.n_kv_heads_resolved * hd
+        if self.attention_bias:
+            attn += (self.n_heads + 2 * self.n_kv_heads_resolved) * hd
         if self.qk_norm:
             attn += 2 * hd
         if self.attention == "mla":
@@ -233,11 +251,11 @@ class ModelConfig:
         """Training FLOPs per token (forward + backward), FLOP/token.
 
         PaLM convention (Chowdhery et al., arXiv:2204.02311, appendix B; same as torchtitan):
-        ``6 * N + 12 * n_layers * dim * seq_len``, where N counts every weight used in a matmul for
+        ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len``, where N counts every weight used in a matmul for
         each token (all non-embedding parameters plus the output head, also when it is tied to the
         embedding, since the head matmul runs either way), and the second term is the attention
-        score and value matmuls (QK^T and AV) without discounting the causal mask. Norm weights are
-        included in N (negligible). MFU divides achieved FLOP/s by peak FLOP/s with this count.
+        score and value matmuls (QK^T and AV) without discounting the causal mask. Norm weights
+        and q/k/v biases are included in N (negligible). MFU divides achieved FLOP/s by peak FLOP/s with this count.
         With ``attention='mla'`` that term is ``6 * n_layers * n_heads * (qk_nope_head_dim + qk_rope_head_dim
         + v_head_dim) * seq_len`` (the same count with MLA's head widths; equal to the PaLM term when both
         widths are head_dim).
@@ -253,4 +271,4 @@ class ModelConfig:
         if self.attention == "mla":  # QK^T over qk_nope + qk_rope channels, AV over v_head_dim, per head
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             return 6 * n_matmul + 6 * self.n_layers * self.n_heads * (qk + self.v_head_dim) * seq_len
-        return transformer_flops_per_token(n_matmul, self.n_layers, self.dim, seq_len)
+        return transformer_flops_per_token(n_matmul, self.n_layers, self.n_heads * self.head_dim, seq_len)

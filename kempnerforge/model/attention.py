@@ -1,6 +1,6 @@
 """Causal grouped-query self-attention (GQA, Ainslie et al., arXiv:2305.13245) with RoPE, and its masks.
 
-As in Llama 3 (arXiv:2407.21783): bias-free q/k/v/o projections, rotary embeddings on q and k,
+As in Llama 3 (arXiv:2407.21783): bias-free q/k/v/o projections (q/k/v biases with ``attention_bias``, Qwen 2), rotary embeddings on q and k,
 ``n_kv_heads`` key/value heads each shared by ``n_heads / n_kv_heads`` query heads.
 
 Which kernel runs (:func:`attend`) follows from the mask, built once per forward for all layers:
@@ -36,8 +36,9 @@ class Attention(nn.Module):
     ``n_heads / tp`` query and ``n_kv_heads / tp`` KV heads and the same code runs unchanged.
 
     Submodules: ``wq`` (dim -> n_heads*head_dim), ``wk``, ``wv`` (dim -> n_kv_heads*head_dim),
-    ``wo`` (n_heads*head_dim -> dim), and with ``config.qk_norm`` ``q_norm``/``k_norm``: RMSNorm over
-    head_dim applied per head before RoPE (as in Qwen3 / OLMo-style QK-norm).
+    ``wo`` (n_heads*head_dim -> dim; ``head_dim`` may differ from dim / n_heads, as in Qwen 3); with
+    ``config.attention_bias`` wq/wk/wv carry a bias (Qwen 2), and with ``config.qk_norm`` ``q_norm``/``k_norm``:
+    RMSNorm over head_dim applied per head before RoPE (Qwen 3's placement, tested against transformers).
 
     Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim),
     key_mask (batch, seq) bool or None) -> (batch, seq, dim).
@@ -47,9 +48,10 @@ class Attention(nn.Module):
         super().__init__()
         hd, n_q, n_kv = config.head_dim, config.n_heads, config.n_kv_heads_resolved
         self.head_dim = hd
-        self.wq = nn.Linear(config.dim, n_q * hd, bias=False)
-        self.wk = nn.Linear(config.dim, n_kv * hd, bias=False)
-        self.wv = nn.Linear(config.dim, n_kv * hd, bias=False)
+        bias = config.attention_bias  # Qwen 2: q/k/v only, never the output projection
+        self.wq = nn.Linear(config.dim, n_q * hd, bias=bias)
+        self.wk = nn.Linear(config.dim, n_kv * hd, bias=bias)
+        self.wv = nn.Linear(config.dim, n_kv * hd, bias=bias)
         self.wo = nn.Linear(n_q * hd, config.dim, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, eps=config.norm_eps)

@@ -22,7 +22,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
 from kempnerforge.model.moe import GroupedExperts, MoE
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import rope_tables
+from kempnerforge.model.rope import model_rope_tables
 
 #: Linear weights on a residual branch's output (FQN without ``.weight``): attention and MLP outputs, cross-attention
 #: and cross-MLP outputs (``cross_attention.wo``, ``cross_feed_forward.w2``) and shared experts' ``w2``. Packed routed
@@ -43,7 +43,7 @@ def init_decoder_(
 
     ``model`` must hold ``rope_cos`` / ``rope_sin`` buffers (max_seq_len, head_dim // 2); the tables (replicated
     buffers, O(max_seq_len * head_dim)) are computed on CPU in fp32 and copied (bitwise the same on every device). MoE routers' selection bias (``expert_bias``) is
-    zeroed. A tied head is initialized once, under the embedding's FQN (modules are visited in registration order).
+    zeroed, and so are Linear biases (q/k/v with ``attention_bias``). A tied head is initialized once, under the embedding's FQN (modules are visited in registration order).
 
     Args:
         model: the decoder (plain tensors or DTensors; each rank writes its own shard).
@@ -56,7 +56,7 @@ def init_decoder_(
     Raises:
         RuntimeError: a parameter no rule covers (a new module type), naming them.
     """
-    cos, sin = rope_tables(config.rope_head_dim, config.max_seq_len, config.rope_theta, "cpu")
+    cos, sin = model_rope_tables(config, "cpu")
     model.rope_cos.copy_(cos)
     model.rope_sin.copy_(sin)
     std, residual_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)
@@ -68,6 +68,9 @@ def init_decoder_(
             weights = {p: getattr(module, p) for p in ("w1", "w2", "w3")}
         elif isinstance(module, RMSNorm | nn.Linear | nn.Embedding):
             weights = {"weight": module.weight}
+            if isinstance(module, nn.Linear) and module.bias is not None and id(module.bias) not in done:
+                module.bias.zero_()  # q/k/v biases (attention_bias): zeros, as torchtitan and HF Qwen 2 init them
+                done.add(id(module.bias))
         else:
             continue
         for pname, weight in weights.items():

@@ -26,13 +26,20 @@ from torch import nn
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import attend, causal_key_mask
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import apply_rope, apply_rope_rows
+from kempnerforge.model.rope import apply_rope, apply_rope_rows, yarn_get_mscale
 from kempnerforge.parallel.expert_tensor_parallel import grad_all_reduce
 
 
 def mla_softmax_scale(config: ModelConfig) -> float:
-    """The attention logits' scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` (HF ``DeepseekV3Attention``)."""
-    return (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    """The attention logits' scale: ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5``, times
+    ``yarn_get_mscale(factor, mscale_all_dim) ** 2`` under YaRN RoPE scaling with ``mscale_all_dim`` set (DeepSeek-V3's
+    long-context setting; HF ``DeepseekV3Attention`` / ``yarn_apply_mscale``, same operation order)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "yarn" and scaling.mscale_all_dim:
+        mscale = yarn_get_mscale(scaling.factor, scaling.mscale_all_dim)
+        scale = scale * mscale * mscale
+    return scale
 
 
 class MultiHeadLatentAttention(nn.Module):

@@ -7,32 +7,132 @@ layout, converting q/k projection weights to and from HF is a pure rename, no pe
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from kempnerforge.config.model import ModelConfig
+    from kempnerforge.config.rope import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of the channel pairs and the attention factor on cos/sin, in fp32 on CPU.
+
+    Op for op as ``transformers``' ``ROPE_INIT_FUNCTIONS`` (``default``, ``llama3``, ``yarn``), so the
+    tables are bitwise HF's: default ``theta ** (-2i / head_dim)``; ``llama3`` (Llama 3.1, arXiv:2407.21783)
+    divides wavelengths above ``original_max_position_embeddings / low_freq_factor`` by ``factor`` and
+    interpolates up to ``.../ high_freq_factor``; ``yarn`` (arXiv:2309.00071) blends interpolated and
+    extrapolated frequencies over the correction range of ``beta_fast``..``beta_slow`` rotations.
+
+    Args:
+        head_dim: channels per head that RoPE rotates (even).
+        theta: RoPE base.
+        scaling: None (plain RoPE) or a :class:`~kempnerforge.config.rope.RopeScaling`.
+
+    Returns:
+        ``(inv_freq, attention_factor)``: (head_dim // 2,) fp32, radians per token; and the multiplier
+        on cos/sin (1.0 except yarn: :func:`yarn_attention_factor`).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq, 1.0
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    return _yarn_inv_freq(head_dim, theta, scaling), yarn_attention_factor(scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    def correction_dim(rotations: float) -> float:  # channel index that makes `rotations` turns over the context
+        return (head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (s.factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``), arXiv:2309.00071 eq. 22.
+
+    DeepSeek-V3 also multiplies the softmax scale by ``yarn_get_mscale(factor, mscale_all_dim) ** 2``.
+    """
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(scaling: RopeScaling) -> float:
+    """The multiplier YaRN puts on cos and sin (transformers' ``attention_factor``): as given, else
+    ``yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)`` when both are set
+    (DeepSeek-V3), else ``yarn_get_mscale(factor)``."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(
+            yarn_get_mscale(scaling.factor, scaling.mscale) / yarn_get_mscale(scaling.factor, scaling.mscale_all_dim)
+        )
+    return yarn_get_mscale(scaling.factor)
 
 
 def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | str | None = None,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables for positions 0..max_seq_len-1, in fp32.
 
-    Computed exactly as HF Llama does (fp32 inverse frequencies ``theta ** (-2i / head_dim)``,
-    elementwise position * frequency), so logits match HF to fp32 rounding.
+    Computed exactly as HF does (fp32 inverse frequencies from :func:`rope_inv_freq`, elementwise
+    position * frequency, then cos/sin times the attention factor), so logits match HF to fp32 rounding.
 
     Args:
         head_dim: channels per head (even).
         max_seq_len: number of positions, tokens.
         theta: RoPE base (Llama 3: 500000).
         device: where to build the tables (default: the current default device).
+        scaling: RoPE scaling (``ModelConfig.rope_scaling``); None = plain RoPE.
 
     Returns:
         ``(cos, sin)``, each (max_seq_len, head_dim) fp32; the two halves of the last dim repeat.
     """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    inv_freq = 1.0 / (theta**exponent)
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling)
+    inv_freq = inv_freq.to(device)
     positions = torch.arange(max_seq_len, dtype=torch.float32, device=device)
     freqs = positions[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos(), angles.sin()
+    if attention_factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def model_rope_tables(
+    config: ModelConfig, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_tables` for a decoder config: ``config.rope_head_dim``, ``max_seq_len``, ``rope_theta``, ``rope_scaling``."""
+    return rope_tables(config.rope_head_dim, config.max_seq_len, config.rope_theta, device, config.rope_scaling)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

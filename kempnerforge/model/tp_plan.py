@@ -93,7 +93,8 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
       with a synchronous output reduction: weight ``Shard(0)`` over vocab, replicated token ids in).
     - ``attention.wq/wk/wv``, ``feed_forward.w1/w3``: ``ColwiseParallel`` (weight ``Shard(0)``:
       each rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` KV heads, ``ffn_hidden / tp``
-      MLP channels). ``attention.wo``, ``feed_forward.w2``: ``RowwiseParallel`` (weight ``Shard(1)``).
+      MLP channels; with ``attention_bias`` the q/k/v biases are ``Shard(0)`` with their rows; ``head_dim`` need
+      not be dim / n_heads). ``attention.wo``, ``feed_forward.w2``: ``RowwiseParallel`` (weight ``Shard(1)``).
     - With ``config.qk_norm``: ``q_norm``/``k_norm`` see only this rank's heads, so they are marked
       ``SequenceParallel(sequence_dim=2)`` (heads dim sharded): their weight is a replicated DTensor
       and its gradient is summed over the TP ranks (a plain parameter would keep a per-rank partial).

@@ -18,7 +18,7 @@ from kempnerforge.model.mla import MultiHeadLatentAttention
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.moe import MoE
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import pack_rope, rope_tables, unpack_rope
+from kempnerforge.model.rope import model_rope_tables, pack_rope, unpack_rope
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.training.chunked_ce import chunked_linear_cross_entropy_sum
 
@@ -82,7 +82,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.rope_head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = model_rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tie_weights()
@@ -156,7 +156,7 @@ class Transformer(nn.Module):
         - Embedding / Linear weights and packed expert weights (``moe.experts.w1/w2/w3``): N(0,
           init_std**2) truncated at +-3 std; ``attention.wo``, ``feed_forward.w2`` and every expert's
           ``w2`` (routed and shared) use init_std / sqrt(2 * n_layers).
-        - MoE router selection bias (``moe.router.expert_bias``): zeros.
+        - MoE router selection bias (``moe.router.expert_bias``) and q/k/v biases (``attention_bias``): zeros.
         Each weight is drawn from its own generator seeded from (seed, canonical FQN) on CPU, so the
         result is independent of the global RNG and identical for meta or eager builds and for any
         FSDP2/TP sharding (DTensors receive only their local shard). A tied embedding is initialized

@@ -48,9 +48,12 @@ def test_dense_flops_equal_hand_computation():
     assert ModelConfig(**{**CFG, "tie_embeddings": True}).flops_per_token(seq) == hand
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_dense_flops_match_flop_counter(tie):
-    cfg = ModelConfig(**{**CFG, "tie_embeddings": tie})
+@pytest.mark.parametrize("over", [{"tie_embeddings": False}, {"tie_embeddings": True},
+                                  {"head_dim": 24, "attention_bias": True}], ids=["untied", "tied", "head-dim-24-bias"])  # fmt: skip
+def test_dense_flops_match_flop_counter(over):
+    """The PaLM count against torch's FlopCounterMode, also for a Qwen-3-like head_dim (n_heads * head_dim != dim,
+    the attention term uses n_heads * head_dim) with q/k/v biases."""
+    cfg = ModelConfig(**{**CFG, **over})
     model = Transformer(cfg)
     model.init_weights(seed=0)
     tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))

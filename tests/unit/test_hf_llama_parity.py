@@ -111,10 +111,18 @@ def test_config_round_trip_and_fields():
     assert (back.dim, back.n_kv_heads, back.ffn_hidden, back.rope_theta) == (64, 2, 192, cfg.rope_theta)
 
 
-def test_qk_norm_and_rope_scaling_refused():
+def test_qk_norm_bias_and_other_rope_types_refused():
     with pytest.raises(ValueError, match="qk_norm"):
         to_hf_config(ModelConfig(dim=64, n_heads=4, vocab_size=256, qk_norm=True))
+    with pytest.raises(ValueError, match="attention_bias=True has no HF LlamaForCausalLM"):
+        to_hf_config(ModelConfig(dim=64, n_heads=4, vocab_size=256, attention_bias=True))
     hf_cfg = to_hf_config(_cfg(None, False))
+    hf_cfg.rope_parameters = {"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 8.0}
+    with pytest.raises(ValueError, match=r"LlamaConfig\.rope_parameters\.rope_type='dynamic'"):
+        from_hf_config(hf_cfg)
     hf_cfg.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
-    with pytest.raises(ValueError, match="rope_type"):
+    with pytest.raises(ValueError, match="original_max_position_embeddings is missing"):
+        from_hf_config(hf_cfg)
+    hf_cfg.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match=r"LlamaConfig\.partial_rotary_factor=0\.5"):
         from_hf_config(hf_cfg)

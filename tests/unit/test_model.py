@@ -214,8 +214,11 @@ def test_ffn_hidden_rule():
         dict(tie_embeddings=True),
         dict(n_kv_heads=1, qk_norm=True),
         dict(ffn_hidden_dim=100, tie_embeddings=True),
+        dict(n_kv_heads=2, attention_bias=True),
+        dict(n_kv_heads=2, head_dim=24, qk_norm=True),
+        dict(head_dim=8, attention_bias=True, num_experts=4, top_k=2),
     ],
-    ids=["untied", "tied", "gqa-qknorm", "explicit-ffn-tied"],
+    ids=["untied", "tied", "gqa-qknorm", "explicit-ffn-tied", "qkv-bias", "head-dim-24", "moe-head-dim-8-bias"],
 )
 def test_num_params_matches_module(kw):
     cfg = _cfg(**kw)

@@ -76,3 +76,17 @@ def test_model_config_has_every_field_moe_validation_reads():
     cfg = ModelConfig(num_experts=4, top_k=2)
     needed = set(MoEFields.__annotations__) | {"ffn_hidden", "expert_hidden"}
     assert all(hasattr(cfg, name) for name in needed), sorted(n for n in needed if not hasattr(cfg, n))
+
+
+def test_explicit_head_dim_and_attention_bias():
+    """head_dim None resolves to dim / n_heads; an explicit one frees dim from n_heads (Qwen 3); each refusal names
+    its field."""
+    assert ModelConfig(dim=64, n_heads=4).head_dim == 16
+    cfg = ModelConfig(dim=48, n_heads=4, head_dim=32, attention_bias=True)  # 48 % 4 == 0 but 4 * 32 != 48
+    assert cfg.head_dim == 32 and ModelConfig(dim=50, n_heads=4, head_dim=16).head_dim == 16
+    for kw, match in [({"head_dim": 15}, r"ModelConfig\.head_dim=15 must be even"),
+                      ({"head_dim": 0}, r"ModelConfig\.head_dim=0 must be a positive even integer or None"),
+                      ({"dim": 50}, r"ModelConfig\.dim=50 must be divisible by n_heads=4"),
+                      ({"attention_bias": 1}, r"ModelConfig\.attention_bias=1 must be True or False")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(**{"dim": 64, "n_heads": 4, **kw})

@@ -202,7 +202,7 @@ def test_refuses_what_hf_cannot_represent(tmp_path, shakespeare_tokens):
     from kempnerforge.config import ModelConfig
 
     base = dict(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=32, multiple_of=16)
-    for fields, name in [({"qk_norm": True}, "qk_norm"), ({"num_experts": 4, "router": "sigmoid"}, "router"),
+    for fields, name in [({"qk_norm": True, "attention_bias": True}, "attention_bias"), ({"num_experts": 4, "router": "sigmoid"}, "router"),
                          ({"num_experts": 4, "n_shared_experts": 1}, "shared_expert_gate"),
                          ({"num_experts": 4, "route_scale": 2.0}, "route_scale"),
                          ({"num_experts": 4, "moe_frequency": 2}, "moe_frequency"),

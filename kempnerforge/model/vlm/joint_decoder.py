@@ -15,7 +15,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.attention import padding_attention_mask
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import pack_rope, rope_tables
+from kempnerforge.model.rope import model_rope_tables, pack_rope
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 from kempnerforge.model.vlm.base import VLMBackbone, prefix_sequence, register_arch
@@ -65,7 +65,7 @@ class JointDecoder(VLMBackbone):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(text, i) for i in range(text.n_layers)})
         self.norm = RMSNorm(text.dim, eps=text.norm_eps)
         self.output = nn.Linear(text.dim, text.vocab_size, bias=False)
-        cos, sin = rope_tables(text.head_dim, text.max_seq_len, text.rope_theta)
+        cos, sin = model_rope_tables(text)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tie_weights()

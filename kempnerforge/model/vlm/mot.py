@@ -59,9 +59,10 @@ class MoTAttention(nn.Module):
         super().__init__()
         hd, n_q, n_kv = config.head_dim, config.n_heads, config.n_kv_heads_resolved
         self.head_dim = hd
-        self.wq = _per_modality(lambda: nn.Linear(config.dim, n_q * hd, bias=False))
-        self.wk = _per_modality(lambda: nn.Linear(config.dim, n_kv * hd, bias=False))
-        self.wv = _per_modality(lambda: nn.Linear(config.dim, n_kv * hd, bias=False))
+        bias = config.attention_bias  # as the dense Attention: q/k/v only
+        self.wq = _per_modality(lambda: nn.Linear(config.dim, n_q * hd, bias=bias))
+        self.wk = _per_modality(lambda: nn.Linear(config.dim, n_kv * hd, bias=bias))
+        self.wv = _per_modality(lambda: nn.Linear(config.dim, n_kv * hd, bias=bias))
         self.wo = _per_modality(lambda: nn.Linear(n_q * hd, config.dim, bias=False))
         self.q_norm = _per_modality(lambda: RMSNorm(hd, eps=config.norm_eps)) if config.qk_norm else None
         self.k_norm = _per_modality(lambda: RMSNorm(hd, eps=config.norm_eps)) if config.qk_norm else None

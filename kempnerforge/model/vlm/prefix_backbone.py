@@ -22,7 +22,7 @@ from kempnerforge.model.attention import padding_attention_mask
 from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.init import canonical_fqn, copy_full_
 from kempnerforge.model.norm import RMSNorm
-from kempnerforge.model.rope import pack_rope, rope_tables
+from kempnerforge.model.rope import model_rope_tables, pack_rope
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.model.vlm.base import VLMBackbone, prefix_sequence
 from kempnerforge.model.vlm.dispatch import ModalityDispatch
@@ -57,7 +57,7 @@ class PrefixBackbone(VLMBackbone):
         self.tok_embeddings = nn.Embedding(text.vocab_size, text.dim)
         self.norm = RMSNorm(text.dim, eps=text.norm_eps)
         self.output = nn.Linear(text.dim, text.vocab_size, bias=False)
-        cos, sin = rope_tables(text.head_dim, text.max_seq_len, text.rope_theta)
+        cos, sin = model_rope_tables(text)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tie_weights()
