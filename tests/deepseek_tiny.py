@@ -36,12 +36,19 @@ def char_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def save_tiny_deepseek_v3(path: Path, seed: int = 0) -> Path:
-    """``save_pretrained`` a random-weight tiny DeepseekV3ForCausalLM and the character tokenizer into ``path``."""
+#: DeepSeek-V3's long-context RoPE at this scale: yarn x4 over 16 original positions, attention factor
+#: mscale / mscale_all_dim != 1 on cos/sin and yarn_get_mscale(4, mscale_all_dim)^2 on the softmax scale.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}  # fmt: skip
+
+
+def save_tiny_deepseek_v3(path: Path, seed: int = 0, **overrides) -> Path:
+    """``save_pretrained`` a random-weight tiny DeepseekV3ForCausalLM (``HF_KW`` updated with ``overrides``) and
+    the character tokenizer into ``path``."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_KW)).eval()
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**HF_KW, **overrides})).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():

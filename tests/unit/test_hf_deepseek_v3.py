@@ -23,7 +23,7 @@ from kempnerforge.checkpoint.load import load_checkpoint_model
 from kempnerforge.cli import main
 from kempnerforge.config import ModelConfig
 from kempnerforge.model.generate import SamplingConfig, generate
-from tests.deepseek_tiny import HF_KW, save_tiny_deepseek_v3
+from tests.deepseek_tiny import HF_KW, YARN, save_tiny_deepseek_v3
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,6 +95,39 @@ def test_kforge_generate_equals_transformers_greedy(hf_dir, imported, capsys):
           "--max_new_tokens", "20", "--ignore_eos", "--device", "cpu"])  # fmt: skip
     printed = capsys.readouterr().out
     assert f"--- [0] {prompt}{tok.decode(expected)}" in printed
+
+
+def test_yarn_deepseek_v3_logits_generation_and_round_trip(tmp_path):
+    """YaRN RoPE scaling as DeepSeek-V3 uses it (mscale / mscale_all_dim on cos/sin, mscale_all_dim^2 on the softmax
+    scale): logits at positions past original_max_position_embeddings, 20 greedy tokens over the latent cache, and
+    a bit-exact round trip of every tensor and of rope_parameters."""
+    from safetensors.torch import load_file
+
+    from kempnerforge.checkpoint.convert import hf_to_dcp
+    from kempnerforge.model.mla import mla_softmax_scale
+    from kempnerforge.model.rope import yarn_get_mscale
+
+    hf_dir = save_tiny_deepseek_v3(tmp_path / "hf", seed=5, rope_parameters=YARN)
+    loaded = load_checkpoint_model(hf_to_dcp(hf_dir, tmp_path / "dcp"))
+    ours, cfg, hf = loaded.model, loaded.config, _hf(hf_dir)
+    assert cfg.rope_scaling.rope_type == "yarn" and cfg.rope_scaling.mscale == 0.8
+    assert mla_softmax_scale(cfg) == hf.model.layers[0].self_attn.scaling != 24**-0.5
+    assert mla_softmax_scale(cfg) == 24**-0.5 * yarn_get_mscale(4.0, 1.0) ** 2
+    gen = torch.Generator().manual_seed(6)
+    for length in (5, 17, 40):  # 17 and 40 run past the 16 original positions
+        tokens = torch.randint(0, 128, (1, length), generator=gen)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(tokens), hf(input_ids=tokens).logits, rtol=0, atol=1e-5)
+    ids = torch.randint(2, 128, (1, 24), generator=gen)
+    hf.generation_config.eos_token_id = None
+    expected = hf.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)[0, 24:]
+    assert generate(ours, ids, sampling=SamplingConfig(max_new_tokens=20)).row(0) == expected.tolist()
+    back = dcp_to_hf(loaded.path, tmp_path / "back")
+    original, again = load_file(hf_dir / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(original) == sorted(again)
+    assert all(torch.equal(again[k], v) for k, v in original.items())
+    rope = json.loads((back / "config.json").read_text())["rope_parameters"]
+    assert rope == {k: v for k, v in YARN.items() if k not in ("beta_fast", "beta_slow")}  # HF's defaults omitted
 
 
 def test_mtp_weights_on_disk_are_refused(tmp_path):
