@@ -28,6 +28,7 @@ RUNS = {
     "dp2_ac": "micro_batch=4,ac=full",
     "tp2": "tp=2",
     "tp2_sp_ac": "tp=2,sp=1,ac=full",
+    "pp2": "pp=2",
 }
 PER_HEAD = ("wq_b.weight", "wkv_b.weight", "wo.weight")
 LATENT = ("wq_a.weight", "q_norm.weight", "wkv_a.weight", "kv_norm.weight")
@@ -86,7 +87,9 @@ def test_two_processes_equal_one(two, single, name):
     for a, b in zip(record["grad_norms"], single["grad_norms"], strict=True):
         assert a == pytest.approx(b, rel=1e-5), (record["grad_norms"], single["grad_norms"])
     numel = record["numel"]
-    if name.startswith("tp"):  # heads split over TP, the latents replicated
+    if name.startswith("pp"):  # stage 0 (rank 0) holds blocks 0-1 whole
+        assert all(numel[p][0] == numel[p][1] for p in PER_HEAD + LATENT), numel
+    elif name.startswith("tp"):  # heads split over TP, the latents replicated
         assert all(numel[p][0] * 2 == numel[p][1] for p in PER_HEAD), numel
         assert all(numel[p][0] == numel[p][1] for p in LATENT), numel
     else:  # FSDP2 shards everything over dp_shard

@@ -182,3 +182,67 @@ def test_tp_plan_names_real_modules(q_lora_rank):
             assert isinstance(block_plan["attention.wo"], RowwiseParallel)
             assert isinstance(block_plan["attention.wq_b" if q_lora_rank else "attention.wq"], ColwiseParallel)
             assert not any(k.endswith(("wq_a", "wkv_a", "q_norm", "kv_norm", "wk", "wv")) for k in block_plan)
+
+
+def test_flex_block_mask_with_narrower_values_equals_dense_on_cpu(monkeypatch):
+    """MLA's packed-document path on the FlexAttention kernel (q/k width 24, v width 12, the MLA scale), forward on
+    CPU through eager flex_attention: equal to the dense-mask SDPA path."""
+    import warnings
+
+    import kempnerforge.model.attention as attention
+    from kempnerforge.model.attention import BlockMask, document_attention_mask, flex_attention
+
+    def eager(q, k, v, block_mask, scale, enable_gqa):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": the reference path
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(attention, "_FLEX", [eager])
+    model = _model(_cfg(q_lora_rank=16, max_seq_len=160))
+    ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(7))
+    doc = (torch.arange(150)[None] >= torch.tensor([[40], [90]])).long()
+    block = document_attention_mask(doc, flex=True)
+    assert isinstance(block, BlockMask)
+    monkeypatch.setattr(attention, "flex_attention_supported", lambda device: True)
+    with torch.no_grad():
+        flex = model(ids, doc_ids=doc)
+        monkeypatch.setattr(attention, "flex_attention_supported", lambda device: False)
+        torch.testing.assert_close(flex, model(ids, doc_ids=doc), rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_mla_on_cuda_flex_and_bf16(monkeypatch):
+    """CUDA: packed documents on the compiled FlexAttention kernel (v narrower than q/k) equal the dense-mask path in
+    loss and gradients (fp32), and the bf16 SDPA kernels (is_causal) stay within bf16 rounding of fp32."""
+    import kempnerforge.model.attention as attention
+
+    cfg = _cfg(q_lora_rank=16, max_seq_len=256, num_experts=0)
+    ids = torch.randint(0, 128, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    doc = (torch.arange(200, device="cuda")[None] >= torch.tensor([[60], [130]], device="cuda")).long()
+
+    def run(flex: bool):
+        monkeypatch.setattr(attention, "flex_attention_supported", lambda device: flex)
+        model = Transformer(cfg).cuda()
+        model.init_weights(0)
+        loss = model(ids, doc_ids=doc).float().logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    (fl, fg), (dl, dg) = run(True), run(False)
+    torch.testing.assert_close(fl, dl, rtol=1e-5, atol=1e-5)
+    for name, g in dg.items():
+        torch.testing.assert_close(fg[name], g, rtol=1e-4, atol=1e-5, msg=name)
+    model = Transformer(cfg).cuda()
+    model.init_weights(0)
+    with torch.no_grad():
+        ref = model(ids)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            low = model(ids).float()
+    assert (low - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_vision_language_refuses_mla():
+    from kempnerforge.module import VisionLanguage
+
+    with pytest.raises(ValueError, match="model.config.attention='mla' is not supported by VisionLanguage"):
+        VisionLanguage(config=_cfg())
