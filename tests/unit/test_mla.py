@@ -246,3 +246,19 @@ def test_vision_language_refuses_mla():
 
     with pytest.raises(ValueError, match="model.config.attention='mla' is not supported by VisionLanguage"):
         VisionLanguage(config=_cfg())
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 16])
+def test_flops_per_token_matches_flop_counter(q_lora_rank):
+    """MLA's count (6 N + 6 L H (qk + v) S) against torch's FlopCounterMode over one forward + backward (SDPA as
+    explicit matmuls so attention is counted): exact once the norm gains (in N, but no matmul) are taken out."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = _cfg(q_lora_rank=q_lora_rank, max_seq_len=64)
+    model = _model(cfg).train()
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens).float().sum().backward()
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert counter.get_total_flops() == (cfg.flops_per_token(64) - 6 * norms) * tokens.numel()
