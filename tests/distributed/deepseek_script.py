@@ -1,7 +1,7 @@
 """Training runs of an imported DeepSeek-V3 checkpoint (MLA + group-limited sigmoid MoE), several per launch.
 
 ``--runs`` lists runs as ``name:key=value,...``; keys: ``ckpt`` (the weights-only checkpoint ``kforge convert
-hf-to-dcp`` wrote; every run starts from it), ``tp``, ``pp`` (pipeline stages), ``sp`` (sequence parallel), ``micro_batch`` (per rank;
+hf-to-dcp`` wrote; every run starts from it), ``tp``, ``pp`` (pipeline stages), ``ep`` (expert parallel), ``sp`` (sequence parallel), ``micro_batch`` (per rank;
 default 8), ``ac`` (activation checkpointing mode). Each run is one ``Trainer.fit`` of 5 steps on a global batch
 of 8 x 32 tokens, fp32 on gloo; rank 0 writes ``{name: {"losses", "grad_norms", "first_batch", "numel"}}`` to
 ``--out`` (``numel``: this rank's and the global element count of every layer-1 attention parameter).
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 from tests.distributed import multi_run  # noqa: E402
 from tests.distributed.train_script import Recorder  # noqa: E402
 
-INT_KEYS = ("tp", "pp", "sp", "micro_batch")
+INT_KEYS = ("tp", "pp", "ep", "sp", "micro_batch")
 
 
 class FirstBatch(Callback):
@@ -72,6 +72,7 @@ def run(opts: dict, data: str) -> dict:
         strategy=KempnerStrategy(
             tp=opts.get("tp", 1),
             pp=opts.get("pp", 1),
+            ep=opts.get("ep", 1),
             sequence_parallel=opts.get("sp", 0) == 1,
             activation_checkpointing=opts.get("ac", "none"),
         ),

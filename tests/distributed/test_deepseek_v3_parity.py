@@ -1,8 +1,9 @@
 """Issue 20 check 2 for DeepSeek-V3: an imported ``DeepseekV3ForCausalLM`` (tests/deepseek_tiny.py: MLA with a query
 latent, 1 dense + 2 group-limited sigmoid MoE layers, a shared expert) trains 5 steps under ``dp_shard=2`` (FSDP2,
-also with full AC) and ``tp=2`` (heads split, also with sequence parallel + full AC) equal to one process.
+also with full AC), ``tp=2`` (heads and experts' hidden channels split, also with sequence parallel + full AC),
+``pp=2`` (1F1B) and ``ep=2`` (experts split, token all-to-all) equal to one process.
 
-One 2-process launch of ``deepseek_script.py`` holds the four distributed runs; the one-process oracle runs in
+One 2-process launch of ``deepseek_script.py`` holds the six distributed runs; the one-process oracle runs in
 this process (the same ``run``, ``devices=1``). Its first loss equals HF's loss on the same batch (the run starts
 from the imported weights), losses and grad norms match within 1e-5 relative, and under TP the per-head
 projections really are split while the latent projections and norms stay whole.
@@ -29,6 +30,7 @@ RUNS = {
     "tp2": "tp=2",
     "tp2_sp_ac": "tp=2,sp=1,ac=full",
     "pp2": "pp=2",
+    "ep2": "ep=2,micro_batch=4",
 }
 PER_HEAD = ("wq_b.weight", "wkv_b.weight", "wo.weight")
 LATENT = ("wq_a.weight", "q_norm.weight", "wkv_a.weight", "kv_norm.weight")
@@ -92,5 +94,5 @@ def test_two_processes_equal_one(two, single, name):
     elif name.startswith("tp"):  # heads split over TP, the latents replicated
         assert all(numel[p][0] * 2 == numel[p][1] for p in PER_HEAD), numel
         assert all(numel[p][0] == numel[p][1] for p in LATENT), numel
-    else:  # FSDP2 shards everything over dp_shard
+    else:  # FSDP2 shards everything over dp_shard (ep=2 borrows its ranks; attention stays FSDP2-sharded)
         assert all(numel[p][0] * 2 == numel[p][1] for p in PER_HEAD + LATENT), numel

@@ -262,3 +262,19 @@ def test_flops_per_token_matches_flop_counter(q_lora_rank):
         model(tokens).float().sum().backward()
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     assert counter.get_total_flops() == (cfg.flops_per_token(64) - 6 * norms) * tokens.numel()
+
+
+def test_attention_probs_hook_reproduces_the_mla_output():
+    """The interpretability hook (ActivationCapture) on an MLA layer: its probabilities times the per-head values,
+    through ``wo``, give the layer's output."""
+    from kempnerforge.model.hooks import attention_probs
+
+    attn = _model(_cfg(q_lora_rank=16)).layers["0"].attention
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(8))
+    cos, sin = rope_tables(8, 9, 10000.0)
+    with torch.no_grad():
+        probs = attention_probs(attn, x, cos, sin)
+        _, _, v = attn.qkv(x, cos, sin)
+        out = attn.wo((probs @ v.transpose(1, 2)).transpose(1, 2).reshape(2, 9, -1))
+        torch.testing.assert_close(out, attn(x, cos, sin), rtol=0, atol=1e-5)
+    assert probs.shape == (2, 4, 9, 9) and torch.allclose(probs.sum(-1), torch.ones(2, 4, 9))
