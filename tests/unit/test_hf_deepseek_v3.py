@@ -11,6 +11,7 @@ Plus the refusals (MTP weights on disk, FP8 checkpoints, other activations, ...)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -196,3 +197,24 @@ def test_routing_fields_are_validated(kw, message):
 def test_dcp_to_hf_library_call_matches_cli(imported, tmp_path):
     out = dcp_to_hf(imported, tmp_path / "lib")
     assert type(_hf(out)).__name__ == "DeepseekV3ForCausalLM"
+
+
+def test_the_real_deepseek_v3_config():
+    """DeepSeek-V3's own config (transformers' defaults are its shapes; its yarn x40 RoPE): 671.0B parameters,
+    37.6B active (the paper's 671B / 37B, arXiv:2412.19437), RoPE tables bitwise HF's, HF's softmax scale."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+
+    from kempnerforge.model.mla import mla_softmax_scale
+    from kempnerforge.model.rope import model_rope_tables
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    hf_cfg = transformers.DeepseekV3Config(rope_parameters=yarn, max_position_embeddings=163840)
+    cfg = model_config_from_hf(hf_cfg)
+    assert (cfg.n_dense_layers, cfg.num_expert_groups, cfg.num_limited_groups, cfg.top_k) == (3, 8, 4, 8)
+    assert round(cfg.num_params() / 1e9, 1) == 671.0 and round(cfg.num_active_params() / 1e9, 1) == 37.6
+    assert mla_softmax_scale(cfg) == yarn_apply_mscale(hf_cfg.rope_parameters, 192**-0.5)
+    positions = torch.tensor([[0, 1, 4095, 4096, 100_000, 163_839]])
+    hf_cos, hf_sin = DeepseekV3RotaryEmbedding(hf_cfg)(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = model_rope_tables(dataclasses.replace(cfg, max_seq_len=163_840))
+    assert torch.equal(cos[positions[0]], hf_cos[0]) and torch.equal(sin[positions[0]], hf_sin[0])
