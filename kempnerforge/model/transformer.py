@@ -30,7 +30,7 @@ class TransformerBlock(nn.Module):
     the :class:`~kempnerforge.model.moe.MoE` module ``moe``; the two names never coexist, so FQNs of
     a dense model are unchanged by the MoE fields.
 
-    Shapes: forward(x (batch, seq, dim), rope (2, seq, head_dim) int32, key_mask (batch, seq) bool or None)
+    Shapes: forward(x (batch, seq, dim), rope (2, seq, rope_head_dim) int32, key_mask (batch, seq) bool or None)
     -> (batch, seq, dim); ``rope`` is the fp32 RoPE tables' bits (:func:`~kempnerforge.model.rope.pack_rope`:
     a block is an FSDP2 unit, whose mixed-precision policy would cast fp32 tables to bf16); see
     :meth:`Attention.forward` for ``key_mask``.
