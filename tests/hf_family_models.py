@@ -33,7 +33,14 @@ FAMILIES = {
                                          num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
                                          norm_topk_prob=True, rope_parameters={"rope_type": "default",
                                                                                "rope_theta": 1e6})),
+    # Qwen1.5/2-MoE with q/k/v biases (qkv_bias, as the released checkpoints) and a gated shared expert of 2 widths.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(**_COMMON, qkv_bias=True, tie_word_embeddings=False, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, norm_topk_prob=False,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
 }  # fmt: skip
+#: The families of issue 20's checks (the distributed and generate checks run these).
+ISSUE_FAMILIES = ("llama31", "qwen2", "qwen3", "qwen3_moe")
 
 
 def hf_config(family: str, **over):

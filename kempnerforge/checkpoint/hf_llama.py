@@ -79,6 +79,14 @@ def decoder_hf_kwargs(cfg: ModelConfig) -> dict:
     }
 
 
+def without_derived_head_dim(kwargs: dict, cfg: ModelConfig) -> dict:
+    """``kwargs`` without ``head_dim`` when it is dim / n_heads: for configs with no ``head_dim`` field (Qwen2,
+    Qwen2-MoE), whose attention still reads the attribute when present (``getattr(config, "head_dim", ...)``)."""
+    if cfg.head_dim * cfg.n_heads == cfg.dim:
+        return {k: v for k, v in kwargs.items() if k != "head_dim"}
+    return kwargs
+
+
 def hf_rope_parameters(cfg: ModelConfig) -> dict:
     """transformers >= 5 ``rope_parameters`` for ``cfg``: ``rope_type`` ('default', 'llama3' or 'yarn'),
     ``rope_theta`` and the scaling type's fields (yarn's optional ones only when set / not transformers' default)."""

@@ -43,9 +43,7 @@ def to_hf_config(cfg: ModelConfig):
     from transformers import Qwen2Config  # local import: transformers is slow to import
 
     check_compatible(cfg)
-    kwargs = hf_llama.decoder_hf_kwargs(cfg)
-    if cfg.head_dim * cfg.n_heads == cfg.dim:  # Qwen2Config has no head_dim field: write it only when it matters
-        del kwargs["head_dim"]
+    kwargs = hf_llama.without_derived_head_dim(hf_llama.decoder_hf_kwargs(cfg), cfg)
     return Qwen2Config(**kwargs, intermediate_size=cfg.ffn_hidden, use_sliding_window=False)
 
 

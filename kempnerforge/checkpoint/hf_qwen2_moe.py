@@ -74,7 +74,7 @@ def to_hf_config(cfg: ModelConfig):
 
     check_qwen2_moe_compatible(cfg)
     return Qwen2MoeConfig(
-        **hf_llama.decoder_hf_kwargs(cfg),
+        **hf_llama.without_derived_head_dim(hf_llama.decoder_hf_kwargs(cfg), cfg),
         intermediate_size=cfg.ffn_hidden,
         moe_intermediate_size=cfg.expert_hidden,
         shared_expert_intermediate_size=cfg.n_shared_experts * cfg.expert_hidden,

@@ -3,7 +3,7 @@
 
 1. ``kforge convert hf-to-dcp`` of a ``save_pretrained`` directory gives logits equal to transformers' (fp32, 1e-5) on
    3 prompts of 7, 29 and 64 tokens (positions up to 63, past original_max_position_embeddings=16), and
-   ``dcp-to-hf`` writes back every tensor bit-exact (and the same config.json).
+   ``dcp-to-hf`` writes back every tensor bit-exact (and the same config.json). Also Qwen2-MoE with its q/k/v biases.
 5. greedy generation on the imported checkpoint (the library and ``kforge generate``) equals transformers' for 20 tokens.
 
 Qwen 3's q_norm / k_norm placement (per head, before RoPE) is proven by its logits matching here.
@@ -27,7 +27,7 @@ from tests.hf_family_models import FAMILIES, MAX_POS, hf_config, prompts, save_h
 
 transformers = pytest.importorskip("transformers")
 ARCHITECTURES = {"llama31": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

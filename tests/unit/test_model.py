@@ -58,6 +58,25 @@ def test_meta_init_equals_eager_init(tie):
     assert (model.output.weight is model.tok_embeddings.weight) is tie
 
 
+def test_meta_init_of_qkv_biases_head_dim_and_scaled_rope():
+    """Qwen-2/3-shaped configs on the meta path: q/k/v biases zero (o_proj has none), head_dim 24 != 64 / 4, and the
+    RoPE buffers are the llama3-scaled tables (equal to the eager build's)."""
+    from kempnerforge.model.rope import model_rope_tables
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8}
+    cfg = _cfg(attention_bias=True, head_dim=24, qk_norm=True, rope_scaling=scaling)
+    model = _meta(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=5)
+    _assert_same_state(model, _eager(cfg, seed=5))
+    attn = model.layers["0"].attention
+    assert attn.wo.bias is None and attn.wq.weight.shape == (4 * 24, 64)
+    for proj in (attn.wq, attn.wk, attn.wv):
+        assert proj.bias is not None and torch.equal(proj.bias, torch.zeros_like(proj.bias))
+    assert torch.equal(model.rope_cos, model_rope_tables(cfg)[0])
+    assert not torch.equal(model.rope_cos, model_rope_tables(_cfg(head_dim=24))[0])
+
+
 def test_init_independent_of_global_rng_and_seeded():
     cfg = _cfg()
     torch.manual_seed(0)

@@ -29,8 +29,9 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_path, 
     small = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=50257, max_seq_len=64, multiple_of=16)
     _fit(CausalLM(small, scheduler=sched), data, tmp_path)
     wide = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=50257, max_seq_len=64, multiple_of=16)
-    with pytest.raises(CheckpointError, match=r"was written by another model \(model.config.dim: saved 32, now 64\)"
-                       r".*--ckpt_path null"):  # fmt: skip
+    # head_dim follows dim (None = dim / n_heads, resolved on construction), so both are named.
+    with pytest.raises(CheckpointError, match=r"was written by another model \(model.config.dim: saved 32, now 64; "
+                       r"model.config.head_dim: saved 8, now 16\).*--ckpt_path null"):  # fmt: skip
         _fit(CausalLM(wide, scheduler=sched), data, tmp_path / "again", ckpt_path=str(tmp_path / "s1.ckpt"))
 
 
