@@ -99,7 +99,10 @@ def dcp_to_hf(
     for key, value in (loaded.meta.get(HF_TOKEN_IDS_KEY) or {}).items():  # an imported model's bos/eos/pad ids
         setattr(hf_config, key, value)
     hf_sd = family.to_hf_state_dict(loaded.model.state_dict(), loaded.config)
-    hf_sd = {k: v.detach().to(torch_dtype).contiguous() for k, v in hf_sd.items()}
+    keep = getattr(family, "KEEP_FP32", ())  # tensors the HF class holds in fp32 whatever the dtype (routers)
+    hf_sd = {
+        k: v.detach().to(torch.float32 if k.endswith(keep) else torch_dtype).contiguous() for k, v in hf_sd.items()
+    }
     hf_model = _hf_model_with(hf_config, hf_sd, loaded.config.tie_embeddings)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

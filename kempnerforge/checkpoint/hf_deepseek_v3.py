@@ -49,6 +49,9 @@ from kempnerforge.config.model import ModelConfig
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
+#: Key suffixes exported in fp32 whatever ``--dtype`` says: HF keeps the router in fp32
+#: (``DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict``; a bf16 correction bias would move the routing).
+KEEP_FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 #: HF DeepseekV3RMSNorm's eps inside DeepseekV3Attention (q_a_layernorm, kv_a_layernorm): fixed, not rms_norm_eps.
 HF_LATENT_NORM_EPS = 1e-6
 _ATTN = {

@@ -194,9 +194,15 @@ def test_routing_fields_are_validated(kw, message):
         ModelConfig(**{**base, **kw})
 
 
-def test_dcp_to_hf_library_call_matches_cli(imported, tmp_path):
+def test_dcp_to_hf_library_call_and_bf16_keeps_the_router_fp32(imported, tmp_path):
+    from safetensors.torch import load_file
+
     out = dcp_to_hf(imported, tmp_path / "lib")
     assert type(_hf(out)).__name__ == "DeepseekV3ForCausalLM"
+    saved = load_file(dcp_to_hf(imported, tmp_path / "bf16", dtype="bfloat16") / "model.safetensors")
+    router = {k for k in saved if k.endswith(hf_deepseek_v3.KEEP_FP32)}
+    assert len(router) == 4 and all(saved[k].dtype == torch.float32 for k in router)
+    assert all(v.dtype == torch.bfloat16 for k, v in saved.items() if k not in router)
 
 
 def test_the_real_deepseek_v3_config():
