@@ -505,6 +505,10 @@ class VisionLanguage(CausalLM):
             raise ValueError(
                 f"model.loss_chunk_size={loss_chunk_size} is not supported by VisionLanguage; set it to 0."
             )
+        if config.attention != "gqa":  # the VLM backbones build their own attention modules
+            raise ValueError(
+                f"model.config.attention={config.attention!r} is not supported by VisionLanguage; allowed: 'gqa'"
+            )
         super().__init__(config, optimizer, scheduler, grad_clip, init_seed, loss_chunk_size, z_loss_weight)
         self.vlm_config, self.encoder_config, self.connector_config, self.freeze = vlm, encoder, connector, freeze
         self._skipped_clips: torch.Tensor | None = None  # this rank's count since the run started

@@ -12,7 +12,9 @@ Families (dispatched by :mod:`~kempnerforge.checkpoint.hf_families`): dense ``Ll
 :mod:`~kempnerforge.checkpoint.hf_qwen2`), ``Qwen3ForCausalLM`` (QK-norm, explicit head_dim,
 :mod:`~kempnerforge.checkpoint.hf_qwen3`), ``Qwen3MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen3_moe`),
 softmax-routed ``MixtralForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_mixtral`) and softmax-routed MoE with
-gated shared experts ``Qwen2MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`). Anything without
+gated shared experts ``Qwen2MoeForCausalLM`` (:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`), and multi-head
+latent attention with group-limited sigmoid routing ``DeepseekV3ForCausalLM``
+(:mod:`~kempnerforge.checkpoint.hf_deepseek_v3`). Anything without
 a faithful HF equivalent (sliding windows, other RoPE types, sigmoid routing, route scaling, capacity dropping,
 ungated shared experts, Mixtral with MoE on some layers only) is refused with the field that prevents it: a
 weight is never dropped silently.
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from kempnerforge.checkpoint import hf_deepseek_v3
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
 from kempnerforge.checkpoint.hf_families import family_for_config, family_for_hf_config
 from kempnerforge.checkpoint.load import build_model, load_checkpoint_model
@@ -96,7 +99,10 @@ def dcp_to_hf(
     for key, value in (loaded.meta.get(HF_TOKEN_IDS_KEY) or {}).items():  # an imported model's bos/eos/pad ids
         setattr(hf_config, key, value)
     hf_sd = family.to_hf_state_dict(loaded.model.state_dict(), loaded.config)
-    hf_sd = {k: v.detach().to(torch_dtype).contiguous() for k, v in hf_sd.items()}
+    keep = getattr(family, "KEEP_FP32", ())  # tensors the HF class holds in fp32 whatever the dtype (routers)
+    hf_sd = {
+        k: v.detach().to(torch.float32 if k.endswith(keep) else torch_dtype).contiguous() for k, v in hf_sd.items()
+    }
     hf_model = _hf_model_with(hf_config, hf_sd, loaded.config.tie_embeddings)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,8 +183,12 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     family = family_for_hf_config(hf_config).module
     cfg = family.from_hf_config(hf_config)
+    extra = {}
+    if family is hf_deepseek_v3:  # weights from_pretrained would skip (MTP layers); the RoPE row layout
+        hf_deepseek_v3.check_hf_dir(hf_dir, hf_config)
+        extra["rope_interleave"] = bool(getattr(hf_config, "rope_interleave", True))
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
-    sd = family.from_hf_state_dict(hf_model.state_dict(), cfg)
+    sd = family.from_hf_state_dict(hf_model.state_dict(), cfg, **extra)
     model = build_model(cfg)
     model.load_state_dict(sd, strict=True)
     model.tie_weights()

@@ -20,7 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from kempnerforge.checkpoint import hf_llama, hf_mixtral, hf_qwen2, hf_qwen2_moe, hf_qwen3, hf_qwen3_moe
+from kempnerforge.checkpoint import (
+    hf_deepseek_v3,
+    hf_llama,
+    hf_mixtral,
+    hf_qwen2,
+    hf_qwen2_moe,
+    hf_qwen3,
+    hf_qwen3_moe,
+)
 from kempnerforge.config.model import ModelConfig
 
 #: What a family module provides (each a module-level name).
@@ -121,3 +129,5 @@ register_family(HFFamily(hf_mixtral, claims=lambda c: not _dense(c)))
 register_family(HFFamily(hf_qwen2_moe, claims=lambda c: not _dense(c) and c.n_shared_experts > 0, priority=10))
 register_family(HFFamily(hf_qwen3_moe, claims=lambda c: not _dense(c) and c.qk_norm and c.n_shared_experts == 0,
                          priority=10))  # fmt: skip
+# Multi-head latent attention is DeepSeek-V3's alone: it claims every MLA config, dense or MoE, above all others.
+register_family(HFFamily(hf_deepseek_v3, claims=lambda c: c.attention == "mla", priority=20))

@@ -35,12 +35,15 @@ def check_mixtral_compatible(cfg: ModelConfig) -> None:
 
     Raises:
         ValueError: naming the field: ``num_experts`` == 0, ``moe_frequency`` != 1, ``n_shared_experts``
-            != 0, ``router`` != 'softmax', ``router_renormalize`` False, ``route_scale`` != 1,
-            ``capacity_factor`` != 0 (Mixtral never drops tokens), ``qk_norm``, ``attention_bias``.
+            != 0, ``n_dense_layers`` != 0, ``num_expert_groups`` != 1, ``router`` != 'softmax',
+            ``router_renormalize`` False, ``route_scale`` != 1, ``capacity_factor`` != 0 (Mixtral never drops
+            tokens), ``qk_norm``, ``attention_bias``.
     """
     rules = (
         ("num_experts", cfg.num_experts > 0, "> 0"),
         ("moe_frequency", cfg.moe_frequency == 1, "1"),
+        ("n_dense_layers", cfg.n_dense_layers == 0, "0"),
+        ("num_expert_groups", cfg.num_expert_groups == 1, "1"),
         ("n_shared_experts", cfg.n_shared_experts == 0, "0"),
         ("router", cfg.router == "softmax", "'softmax'"),
         ("router_renormalize", cfg.router_renormalize, "True"),

@@ -39,13 +39,15 @@ def check_qwen2_moe_compatible(cfg: ModelConfig) -> None:
 
     Raises:
         ValueError: naming the field: ``num_experts`` == 0, ``n_shared_experts`` == 0,
-            ``shared_expert_gate`` False, ``router`` != 'softmax', ``route_scale`` != 1,
+            ``shared_expert_gate`` False, ``n_dense_layers`` != 0, ``num_expert_groups`` != 1, ``router`` != 'softmax', ``route_scale`` != 1,
             ``capacity_factor`` != 0, ``qk_norm``.
     """
     rules = (
         ("num_experts", cfg.num_experts > 0, "> 0"),
         ("n_shared_experts", cfg.n_shared_experts > 0, ">= 1"),
         ("shared_expert_gate", cfg.shared_expert_gate, "True"),
+        ("n_dense_layers", cfg.n_dense_layers == 0, "0"),
+        ("num_expert_groups", cfg.num_expert_groups == 1, "1"),
         ("router", cfg.router == "softmax", "'softmax'"),
         ("route_scale", cfg.route_scale == 1.0, "1.0"),
         ("capacity_factor", cfg.capacity_factor == 0, "0"),

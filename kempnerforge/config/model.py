@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kempnerforge.config.mla import mla_layer_params, validate_attention, validate_mla_extras
 from kempnerforge.config.moe import moe_layer_params, validate_moe
 from kempnerforge.config.rope import RopeScaling, rope_scaling_from_dict
 from kempnerforge.metrics.flops import transformer_flops_per_token
@@ -67,6 +68,21 @@ class ModelConfig:
     attention_bias: bool = False
     """Bias on the q/k/v projections, not on the output projection (Qwen 2 / 2.5); zeros at init."""
 
+    # -- Attention kind (validated by kempnerforge.config.mla.validate_attention) -----------------------
+    attention: str = "gqa"
+    """'gqa' (grouped-query attention, :mod:`kempnerforge.model.attention`) or 'mla' (multi-head latent attention,
+    DeepSeek-V2 arXiv:2405.04434, :mod:`kempnerforge.model.mla`; the five fields below, n_kv_heads None)."""
+    q_lora_rank: int = 0
+    """MLA query latent width (DeepSeek-V3: 1536); 0 = no query compression (one ``wq`` projection)."""
+    kv_lora_rank: int = 0
+    """MLA key/value latent width, the cached width per token (DeepSeek-V3: 512); 'mla' needs >= 1."""
+    qk_nope_head_dim: int = 0
+    """MLA per-head query/key channels without RoPE (DeepSeek-V3: 128); 'mla' needs >= 1."""
+    qk_rope_head_dim: int = 0
+    """MLA per-head query/key channels with RoPE, the key part shared by all heads (DeepSeek-V3: 64); even."""
+    v_head_dim: int = 0
+    """MLA per-head value channels (DeepSeek-V3: 128); 'mla' needs >= 1."""
+
     # -- Mixture-of-Experts (validated by kempnerforge.config.moe.validate_moe) --------------------
     num_experts: int = 0
     """Routed experts per MoE layer; 0 = dense model (bit-identical to a config without MoE fields)."""
@@ -74,6 +90,16 @@ class ModelConfig:
     """Routed experts each token is sent to (1..num_experts)."""
     moe_frequency: int = 1
     """Layer i is MoE when (i + 1) % moe_frequency == 0 (HF Qwen-MoE ``decoder_sparse_step``); 1 = every layer."""
+    n_dense_layers: int = 0
+    """The first n_dense_layers blocks keep the dense SwiGLU (of width ffn_hidden) whatever moe_frequency says
+    (HF DeepSeek-V3 ``first_k_dense_replace``); 0 = none."""
+    num_expert_groups: int = 1
+    """Group-limited routing (DeepSeek-V3 ``n_group``): the routed experts form this many equal groups, each token
+    picks num_limited_groups groups by the sum of their two highest (biased) scores, then top_k experts inside
+    them; 1 = no group limit."""
+    num_limited_groups: int = 1
+    """Groups each token may route to (DeepSeek-V3 ``topk_group``, 1..num_expert_groups); used when
+    num_expert_groups > 1."""
     n_shared_experts: int = 0
     """Always-active SwiGLU experts per MoE layer, each of width expert_hidden (DeepSeekMoE, arXiv:2401.06066)."""
     expert_width_multiplier: float = 1.0
@@ -101,11 +127,12 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_positive()
+        validate_attention(self)
         self.rope_scaling = rope_scaling_from_dict(self.rope_scaling)
         if self.head_dim is not None:
             if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim <= 0:
                 raise ValueError(f"ModelConfig.head_dim={self.head_dim!r} must be a positive even integer or None")
-        elif self.dim % self.n_heads != 0:
+        elif self.attention == "gqa" and self.dim % self.n_heads != 0:
             raise ValueError(
                 f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads} "
                 f"(head_dim = dim / n_heads); got remainder {self.dim % self.n_heads}"
@@ -116,16 +143,17 @@ class ModelConfig:
                 f"(each KV head serves n_heads / n_kv_heads query heads); allowed: {_divisors(self.n_heads)}"
             )
         if self.head_dim is None:
-            if self.dim // self.n_heads % 2 != 0:
+            if self.attention == "gqa" and self.dim // self.n_heads % 2 != 0:
                 raise ValueError(
                     f"ModelConfig head_dim = dim / n_heads = {self.dim} / {self.n_heads} = {self.dim // self.n_heads} "
                     "must be even (RoPE rotates pairs of channels)"
                 )
-            self.head_dim = self.dim // self.n_heads
-        elif self.head_dim % 2 != 0:
+            self.head_dim = self.dim // self.n_heads  # MLA: unused (its head widths are its own fields)
+        elif self.attention == "gqa" and self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs of channels)")
         if not isinstance(self.attention_bias, bool):
             raise ValueError(f"ModelConfig.attention_bias={self.attention_bias!r} must be True or False")
+        validate_mla_extras(self)
         validate_moe(self)
 
     def _check_positive(self) -> None:
@@ -144,6 +172,11 @@ class ModelConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number (> 0)")
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Channels per head that RoPE rotates (the RoPE tables' width): head_dim, or qk_rope_head_dim for MLA."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def n_kv_heads_resolved(self) -> int:
@@ -172,9 +205,9 @@ class ModelConfig:
         return int(self.ffn_hidden * self.expert_width_multiplier)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """True when block ``layer`` (0-based) has an MoE feed-forward: num_experts > 0 and
-        (layer + 1) % moe_frequency == 0."""
-        return self.num_experts > 0 and (layer + 1) % self.moe_frequency == 0
+        """True when block ``layer`` (0-based) has an MoE feed-forward: num_experts > 0,
+        layer >= n_dense_layers and (layer + 1) % moe_frequency == 0."""
+        return self.num_experts > 0 and layer >= self.n_dense_layers and (layer + 1) % self.moe_frequency == 0
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Number of distinct trainable parameters, computed analytically (no model needed).
@@ -202,6 +235,8 @@ class ModelConfig:
             attn += (self.n_heads + 2 * self.n_kv_heads_resolved) * hd
         if self.qk_norm:
             attn += 2 * hd
+        if self.attention == "mla":
+            attn = mla_layer_params(self)
         dense_ffn = 3 * dim * self.ffn_hidden
         blocks = 0
         for i in range(self.n_layers):
@@ -221,6 +256,9 @@ class ModelConfig:
         embedding, since the head matmul runs either way), and the second term is the attention
         score and value matmuls (QK^T and AV) without discounting the causal mask. Norm weights
         and q/k/v biases are included in N (negligible). MFU divides achieved FLOP/s by peak FLOP/s with this count.
+        With ``attention='mla'`` that term is ``6 * n_layers * n_heads * (qk_nope_head_dim + qk_rope_head_dim
+        + v_head_dim) * seq_len`` (the same count with MLA's head widths; equal to the PaLM term when both
+        widths are head_dim).
 
         Raises:
             ValueError: if ``seq_len`` is not a positive integer.
@@ -230,4 +268,7 @@ class ModelConfig:
         n_matmul = self.num_active_params(exclude_embedding=True)
         if self.tie_embeddings:
             n_matmul += self.vocab_size * self.dim
+        if self.attention == "mla":  # QK^T over qk_nope + qk_rope channels, AV over v_head_dim, per head
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            return 6 * n_matmul + 6 * self.n_layers * self.n_heads * (qk + self.v_head_dim) * seq_len
         return transformer_flops_per_token(n_matmul, self.n_layers, self.n_heads * self.head_dim, seq_len)

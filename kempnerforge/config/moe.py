@@ -23,6 +23,9 @@ class MoEFields(Protocol):
     num_experts: int
     top_k: int
     moe_frequency: int
+    n_dense_layers: int
+    num_expert_groups: int
+    num_limited_groups: int
     n_shared_experts: int
     expert_width_multiplier: float
     shared_expert_gate: bool
@@ -55,16 +58,18 @@ def validate_moe(cfg: MoEFields) -> None:
     Raises:
         ValueError: naming the field and the allowed values: ``num_experts`` < 0, ``top_k`` not in
             ``[1, num_experts]``, ``moe_frequency`` < 1 or larger than ``n_layers`` (no MoE layer),
+            ``n_dense_layers`` < 0 or leaving no MoE layer, ``num_expert_groups`` not dividing ``num_experts``
+            into groups of >= 2, ``num_limited_groups`` outside 1..num_expert_groups or too few for ``top_k``,
             ``n_shared_experts`` < 0, ``expert_width_multiplier`` <= 0 or giving an expert width < 1,
             ``router`` not in :data:`ROUTERS`, a negative loss weight / ``capacity_factor`` /
             ``bias_update_rate``, ``bias_update_rate`` > 0 with the softmax router, ``route_scale`` <= 0,
             ``shared_expert_gate`` without shared experts.
     """
-    for name in ("num_experts", "n_shared_experts"):
+    for name in ("num_experts", "n_shared_experts", "n_dense_layers"):
         value = getattr(cfg, name)
         if not _is_int(value) or value < 0:
             raise ValueError(f"ModelConfig.{name}={value!r} must be an integer >= 0 (0 = none)")
-    for name in ("top_k", "moe_frequency"):
+    for name in ("top_k", "moe_frequency", "num_expert_groups", "num_limited_groups"):
         value = getattr(cfg, name)
         if not _is_int(value) or value < 1:
             raise ValueError(f"ModelConfig.{name}={value!r} must be a positive integer")
@@ -89,6 +94,12 @@ def validate_moe(cfg: MoEFields) -> None:
             f"ModelConfig.moe_frequency={cfg.moe_frequency} leaves no MoE layer among n_layers={cfg.n_layers} "
             f"(layer i is MoE when (i + 1) % moe_frequency == 0); allowed: 1..{cfg.n_layers}"
         )
+    if not any(i >= cfg.n_dense_layers and (i + 1) % cfg.moe_frequency == 0 for i in range(cfg.n_layers)):
+        raise ValueError(
+            f"ModelConfig.n_dense_layers={cfg.n_dense_layers} leaves no MoE layer among n_layers={cfg.n_layers} "
+            f"with moe_frequency={cfg.moe_frequency}; lower it (or set num_experts=0 for a dense model)"
+        )
+    _validate_groups(cfg)
     if cfg.expert_hidden < 1:
         raise ValueError(
             f"ModelConfig.expert_width_multiplier={cfg.expert_width_multiplier} gives an expert width of "
@@ -101,6 +112,28 @@ def validate_moe(cfg: MoEFields) -> None:
         )
     if cfg.shared_expert_gate and cfg.n_shared_experts == 0:
         raise ValueError("ModelConfig.shared_expert_gate=True needs n_shared_experts >= 1")
+
+
+def _validate_groups(cfg: MoEFields) -> None:
+    """Group-limited routing: equal groups of at least 2 experts (a group's score is its top-2 sum), a
+    reachable number of groups and enough experts in the chosen groups for top_k."""
+    groups, limited = cfg.num_expert_groups, cfg.num_limited_groups
+    if cfg.num_experts % groups:
+        raise ValueError(
+            f"ModelConfig.num_expert_groups={groups} must divide num_experts={cfg.num_experts} (equal groups)"
+        )
+    if groups > 1 and cfg.num_experts // groups < 2:
+        raise ValueError(
+            f"ModelConfig.num_expert_groups={groups} gives groups of {cfg.num_experts // groups} expert; each "
+            "group needs >= 2 (its score is the sum of its two highest expert scores)"
+        )
+    if limited > groups:
+        raise ValueError(f"ModelConfig.num_limited_groups={limited} must be in 1..num_expert_groups={groups}")
+    if groups > 1 and cfg.top_k > limited * (cfg.num_experts // groups):
+        raise ValueError(
+            f"ModelConfig.top_k={cfg.top_k} exceeds the {limited * (cfg.num_experts // groups)} experts of "
+            f"num_limited_groups={limited} groups; raise num_limited_groups or lower top_k"
+        )
 
 
 def moe_layer_params(cfg: MoEFields, active: bool) -> int:

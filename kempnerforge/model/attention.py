@@ -89,6 +89,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
+    def cache_dims(self) -> tuple[int, int, int]:
+        """What :class:`~kempnerforge.model.kv_cache.KVCache` holds per token: ``(n_kv_heads, head_dim, head_dim)``."""
+        return self.wk.weight.shape[0] // self.head_dim, self.head_dim, self.head_dim
+
     def forward_cached(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int, attn_mask: torch.Tensor
     ) -> torch.Tensor:
@@ -123,27 +127,33 @@ _FLEX: list = []
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | BlockMask | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention with the kernel the mask calls for (see the module docstring).
 
     Args:
         q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim), ``heads % kv_heads == 0``
-            (grouped-query attention broadcasts the KV heads without copying them).
+            (grouped-query attention broadcasts the KV heads without copying them); v may be narrower or
+            wider than q/k (MLA: v_head_dim != qk head dim; SDPA and FlexAttention both allow it).
         mask: None (causal, ``is_causal`` kernel), a FlexAttention ``BlockMask`` (its ``mask_mod`` already
             holds causality), or a bool SDPA mask broadcastable to (batch, heads, seq, seq), True = may attend.
+        scale: the logits' scale; None = 1 / sqrt(q's head_dim).
 
     Returns:
-        (batch, heads, seq, head_dim).
+        (batch, heads, seq, v's head_dim).
     """
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if isinstance(mask, BlockMask):
         if not _FLEX:
             _FLEX.append(torch.compile(flex_attention, dynamic=False))
-        return _FLEX[0](q, k, v, block_mask=mask, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return _FLEX[0](q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def flex_attention_supported(device: torch.device) -> bool:

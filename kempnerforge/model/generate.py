@@ -236,6 +236,6 @@ def generate(
 
 
 def _new_cache(model: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
-    first = next(iter(model.layers.values())).attention
-    n_kv = first.wk.weight.shape[0] // first.head_dim
-    return KVCache(len(model.layers), batch, n_kv, max_len, first.head_dim, dtype, device)
+    # GQA caches per-KV-head keys and values, MLA its latent (cache_dims of each attention class).
+    n_kv, key_dim, value_dim = next(iter(model.layers.values())).attention.cache_dims()
+    return KVCache(len(model.layers), batch, n_kv, max_len, key_dim, dtype, device, value_dim=value_dim)

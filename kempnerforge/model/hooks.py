@@ -20,7 +20,9 @@ def attention_probs(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: to
     """Causal attention probabilities ``softmax(q k^T / sqrt(head_dim) + causal mask)`` of one layer.
 
     Same projections, QK-norm and RoPE as :meth:`Attention.forward`; with GQA each KV head is
-    repeated for its ``n_heads / n_kv_heads`` query heads. ``probs @ v`` equals the SDPA output.
+    repeated for its ``n_heads / n_kv_heads`` query heads. ``probs @ v`` equals the SDPA output. For
+    :class:`~kempnerforge.model.mla.MultiHeadLatentAttention` the scores are its decompressed per-head
+    ``q . k * softmax_scale``.
 
     Args:
         attn: the attention module.
@@ -31,6 +33,11 @@ def attention_probs(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: to
         ``(batch, n_heads, seq, seq)`` fp32 probabilities (rows sum to 1, zero above the diagonal).
     """
     bsz, seq, _ = x.shape
+    if hasattr(attn, "qkv"):  # multi-head latent attention: per-head q/k after RoPE, its own scale
+        q, k, _ = attn.qkv(x, cos, sin)
+        scores = q.transpose(1, 2).float() @ k.transpose(1, 2).float().transpose(-2, -1) * attn.softmax_scale
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        return scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
     q = attn.wq(x).view(bsz, seq, -1, attn.head_dim)
     k = attn.wk(x).view(bsz, seq, -1, attn.head_dim)
     if attn.q_norm is not None:

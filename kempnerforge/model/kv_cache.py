@@ -23,11 +23,14 @@ class KVCache:
         batch: rows.
         n_kv_heads: key/value heads per layer.
         max_len: cache capacity, positions (prompt + visual prefix + new tokens).
-        head_dim: channels per head.
+        head_dim: key channels per head.
         dtype, device: of the buffers (the model's compute dtype and device).
+        value_dim: value channels per head; None = ``head_dim``; 0 = no value buffers (multi-head latent
+            attention caches one latent per token, :meth:`MultiHeadLatentAttention.cache_dims
+            <kempnerforge.model.mla.MultiHeadLatentAttention.cache_dims>`, and reads its values out of it).
 
     Raises:
-        ValueError: a size is not a positive integer.
+        ValueError: a size is not a positive integer (``value_dim``: not an integer >= 0).
     """
 
     def __init__(
@@ -39,14 +42,19 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        value_dim: int | None = None,
     ) -> None:
         sizes = {"n_layers": n_layers, "batch": batch, "n_kv_heads": n_kv_heads, "max_len": max_len}
         for name, value in {**sizes, "head_dim": head_dim}.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVCache {name}={value!r} must be a positive integer")
+        value_dim = head_dim if value_dim is None else value_dim
+        if isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < 0:
+            raise ValueError(f"KVCache value_dim={value_dim!r} must be an integer >= 0 (0 = keys only)")
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        vshape = (*shape[:-1], value_dim)
+        self.values = [torch.zeros(vshape, dtype=dtype, device=device) for _ in range(n_layers)] if value_dim else None
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.max_len = max_len
         self.length = 0  # positions filled by completed steps
@@ -77,18 +85,22 @@ class KVCache:
         mask = (key_pos <= query_pos)[None] & self.key_valid[:, None, :end]
         return (mask | (key_pos == query_pos)[None])[:, None]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store the step's keys/values of ``layer`` and return all of them so far.
 
         Args:
             layer: 0-based layer index.
-            k, v: (batch, n_kv_heads, new, head_dim) for the current step.
+            k: (batch, n_kv_heads, new, head_dim); v: (batch, n_kv_heads, new, value_dim) for the current
+                step, or None for a keys-only cache (``value_dim=0``).
 
         Returns:
-            ``(keys, values)``, each (batch, n_kv_heads, length + new, head_dim) (views of the cache).
+            ``(keys, values)``, (batch, n_kv_heads, length + new, head_dim / value_dim) (views of the cache);
+            values None for a keys-only cache.
         """
         end = self.length + self._step
         self.keys[layer][:, :, self.length : end] = k
+        if self.values is None:
+            return self.keys[layer][:, :, :end], None
         self.values[layer][:, :, self.length : end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 

@@ -200,6 +200,8 @@ class MoE(nn.Module):
             config.router,
             config.router_renormalize,
             config.route_scale,
+            config.num_expert_groups,
+            config.num_limited_groups,
         )
         self.experts = GroupedExperts(config.dim, hidden, config.num_experts)
         self.shared_experts = nn.ModuleDict(

@@ -131,8 +131,8 @@ def rope_tables(
 def model_rope_tables(
     config: ModelConfig, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope_tables` for a decoder config: ``config.head_dim``, ``max_seq_len``, ``rope_theta``, ``rope_scaling``."""
-    return rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, device, config.rope_scaling)
+    """:func:`rope_tables` for a decoder config: ``config.rope_head_dim``, ``max_seq_len``, ``rope_theta``, ``rope_scaling``."""
+    return rope_tables(config.rope_head_dim, config.max_seq_len, config.rope_theta, device, config.rope_scaling)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@
   the k chosen, times ``route_scale``). The bias is a buffer (the optimizer never sees it), updated
   once per optimizer step by :meth:`Router.update_bias` from the all-reduced expert load
   (auxiliary-loss-free load balancing, Wang et al., arXiv:2408.15664).
+
+Either router can limit each token to its best ``num_limited_groups`` of ``num_groups`` expert groups
+(DeepSeek-V3's node-limited routing, :meth:`Router.select`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class Router(nn.Module):
         score_func: ``"softmax"`` or ``"sigmoid"``.
         renormalize: divide the k weights by their sum (sigmoid: + 1e-20 as DeepSeek-V3's HF code).
         route_scale: multiplier on the gate weights (DeepSeek-V3 ``routed_scaling_factor``).
+        num_groups, num_limited_groups: group-limited routing (DeepSeek-V3 ``n_group`` / ``topk_group``, see
+            :meth:`select`); 1 = off.
 
     ``gate.weight`` (num_experts, dim) is the HF router ``weight``; ``expert_bias`` (num_experts,) fp32 is
     HF DeepSeek-V3's ``e_score_correction_bias``: a persistent buffer (checkpointed, so a resumed run
@@ -55,11 +60,21 @@ class Router(nn.Module):
     """
 
     def __init__(
-        self, dim: int, num_experts: int, top_k: int, score_func: str, renormalize: bool, route_scale: float
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str,
+        renormalize: bool,
+        route_scale: float,
+        num_groups: int = 1,
+        num_limited_groups: int = 1,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
+        self.num_groups = num_groups
+        self.num_limited_groups = num_limited_groups
         self.score_func = score_func
         self.renormalize = renormalize
         self.route_scale = route_scale
@@ -75,7 +90,7 @@ class Router(nn.Module):
             # Selection on detached values, weights by gather: the same autograd graph whether the
             # indices are chosen here or reused by an activation-checkpointing recomputation.
             if indices is None:
-                indices = torch.topk(probs.detach(), self.top_k, dim=-1).indices
+                indices = self.select(probs.detach())
             weights = probs.gather(1, indices)
             if self.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -83,12 +98,31 @@ class Router(nn.Module):
             scores = torch.sigmoid(logits)
             # The bias only changes which experts are chosen, never the weights (DeepSeek-V3 eq. 16).
             if indices is None:
-                indices = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+                indices = self.select(scores.detach() + self.expert_bias)
             weights = scores.gather(1, indices)
             if self.renormalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             probs = scores / scores.sum(dim=-1, keepdim=True)
         return RouterOutput(logits, probs, indices, weights * self.route_scale)
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """The top_k experts of each token by ``scores`` (tokens, num_experts) (detached, biased for sigmoid).
+
+        With ``num_groups > 1`` (group-limited routing, DeepSeek-V3 arXiv:2412.19437 sec. 2.1.2 / HF
+        ``DeepseekV3TopkRouter``): the experts form ``num_groups`` consecutive equal groups, a group's score is the
+        sum of its two highest expert scores, each token keeps its ``num_limited_groups`` best groups and picks its
+        top_k experts among theirs (on a cluster, each group is a node: a token's experts span few nodes).
+
+        Returns:
+            (tokens, top_k) int64 expert indices.
+        """
+        if self.num_groups > 1:
+            grouped = scores.view(scores.shape[0], self.num_groups, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (tokens, num_groups)
+            best = group_scores.topk(self.num_limited_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            scores = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
+        return torch.topk(scores, self.top_k, dim=-1).indices
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:

@@ -102,7 +102,8 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
       ``Shard(-1)`` over vocab (``(batch, seq, vocab / tp)`` local) for vocab-parallel
       cross-entropy, otherwise they are all-gathered into a plain ``(batch, seq, vocab)`` tensor.
 
-    MoE blocks (``config.num_experts > 0``): ``moe_block`` (:func:`moe_block_tp_plan`).
+    MoE blocks (``config.num_experts > 0``): ``moe_block`` (:func:`moe_block_tp_plan`). MLA attention
+    (``config.attention == 'mla'``): :func:`mla_tp_plan` instead of the ``wq/wk/wv`` entries.
 
     A tied embedding/head works: both styles shard the one ``(vocab, dim)`` matrix as ``Shard(0)``,
     and :func:`~kempnerforge.parallel.tensor_parallel.apply_tp` re-ties them afterwards.
@@ -143,11 +144,58 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         )
         block["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if config.attention == "mla":
+        for name in ("wq", "wk", "wv"):
+            del block[f"attention.{name}"]
+        block.update(mla_tp_plan(config, sequence_parallel=sp))
     if config.qk_norm:
         block["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         block["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     moe_block = moe_block_tp_plan(config, block, sequence_parallel=sp) if config.num_experts > 0 else {}
     return TPPlan(root=root, block=block, moe_block=moe_block)
+
+
+class LatentAttentionTensorParallel(ParallelStyle):
+    """The style of a :class:`~kempnerforge.model.mla.MultiHeadLatentAttention` module itself under TP.
+
+    Sets ``module.tp_mesh``: the shared RoPE key (``wkv_a``'s last ``qk_rope_head_dim`` outputs) feeds every head,
+    and each rank holds only its own heads, so its gradient there is a partial sum over TP that the module reduces
+    (:func:`~kempnerforge.parallel.expert_tensor_parallel.grad_all_reduce`). With ``sequence_parallel`` it also
+    all-gathers the input ``x`` (batch, seq / tp, dim) along ``seq`` and hands it in as a plain (batch, seq, dim)
+    tensor (the latent projections are plain replicated Linears).
+    """
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.prepare = (
+            PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            )
+            if sequence_parallel
+            else None
+        )  # fmt: skip
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_mesh = device_mesh
+        return module if self.prepare is None else self.prepare._apply(module, device_mesh)
+
+
+def mla_tp_plan(config: ModelConfig, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The TP plan of :class:`~kempnerforge.model.mla.MultiHeadLatentAttention`, split over TP by heads.
+
+    ``attention.wq`` (no query latent) or ``attention.wq_b``, and ``attention.wkv_b``: ``ColwiseParallel`` (each
+    rank holds ``n_heads / tp`` heads' queries, keys and values; ``wo`` stays ``RowwiseParallel`` from the dense
+    plan). ``wq_a``, ``wkv_a``, ``q_norm`` and ``kv_norm`` get no entry: they compute the latents from the whole
+    input on every rank (replicated plain parameters, like the MoE router); the column-wise ``wq_b`` / ``wkv_b``
+    all-reduce their input gradient, and the module reduces the shared RoPE key's
+    (:class:`LatentAttentionTensorParallel` on ``attention``), so their gradients come out whole on every rank.
+    """
+    return {
+        "attention": LatentAttentionTensorParallel(sequence_parallel),
+        "attention.wq_b" if config.q_lora_rank else "attention.wq": ColwiseParallel(),
+        "attention.wkv_b": ColwiseParallel(),
+    }
 
 
 def moe_block_tp_plan(

@@ -14,6 +14,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.attention import Attention, document_attention_mask
 from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.init import canonical_fqn
+from kempnerforge.model.mla import MultiHeadLatentAttention
 from kempnerforge.model.mlp import FeedForward
 from kempnerforge.model.moe import MoE
 from kempnerforge.model.norm import RMSNorm
@@ -29,7 +30,7 @@ class TransformerBlock(nn.Module):
     the :class:`~kempnerforge.model.moe.MoE` module ``moe``; the two names never coexist, so FQNs of
     a dense model are unchanged by the MoE fields.
 
-    Shapes: forward(x (batch, seq, dim), rope (2, seq, head_dim) int32, key_mask (batch, seq) bool or None)
+    Shapes: forward(x (batch, seq, dim), rope (2, seq, rope_head_dim) int32, key_mask (batch, seq) bool or None)
     -> (batch, seq, dim); ``rope`` is the fp32 RoPE tables' bits (:func:`~kempnerforge.model.rope.pack_rope`:
     a block is an FSDP2 unit, whose mixed-precision policy would cast fp32 tables to bf16); see
     :meth:`Attention.forward` for ``key_mask``.
@@ -38,7 +39,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = MultiHeadLatentAttention(config) if config.attention == "mla" else Attention(config)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         if config.is_moe_layer(layer):
             self.moe = MoE(config)

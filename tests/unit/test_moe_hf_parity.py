@@ -10,6 +10,7 @@ from kempnerforge.checkpoint import hf_mixtral
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import RMSNorm, Transformer
 from kempnerforge.model.moe import MoE
+from kempnerforge.model.router import Router
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,17 +86,19 @@ def test_softmax_router_with_gated_shared_expert_matches_qwen2_moe_block(norm_to
     _compare(ours, hf, _x())
 
 
-def test_sigmoid_router_with_bias_and_shared_experts_matches_deepseek_v3_moe():
+@pytest.mark.parametrize(("groups", "limited"), [(1, 1), (4, 2)], ids=["no-groups", "group-limited"])
+def test_sigmoid_router_with_bias_and_shared_experts_matches_deepseek_v3_moe(groups, limited):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     n_shared = 2
-    cfg = _cfg(router="sigmoid", n_shared_experts=n_shared, route_scale=2.5, bias_update_rate=0.01)
+    cfg = _cfg(router="sigmoid", n_shared_experts=n_shared, route_scale=2.5, bias_update_rate=0.01,
+               num_expert_groups=groups, num_limited_groups=limited)  # fmt: skip
     ours = _moe(cfg)
     # A bias large enough to change the selection, so a bias applied to the weights (or not at all) shows.
     ours.router.expert_bias.copy_(torch.linspace(-0.4, 0.4, E))
     hf_cfg = DeepseekV3Config(hidden_size=DIM, moe_intermediate_size=HIDDEN, n_routed_experts=E, num_experts_per_tok=K,
-                              n_shared_experts=n_shared, n_group=1, topk_group=1, norm_topk_prob=True,
+                              n_shared_experts=n_shared, n_group=groups, topk_group=limited, norm_topk_prob=True,
                               routed_scaling_factor=2.5, hidden_act="silu")  # fmt: skip
     hf = DeepseekV3MoE(hf_cfg).eval()
     hf.gate.weight.data.copy_(ours.router.gate.weight)
@@ -114,6 +117,13 @@ def test_sigmoid_router_with_bias_and_shared_experts_matches_deepseek_v3_moe():
         ours.router.expert_bias.zero_()
         unbiased = ours.router(x.view(-1, DIM)).indices
     assert not torch.equal(routed.sort(-1).values, unbiased.sort(-1).values)
+    if groups > 1:  # the group limit changed the selection too, and every choice lies in the allowed groups
+        free = Router(DIM, E, K, "sigmoid", True, 2.5)
+        free.gate.weight.data.copy_(ours.router.gate.weight)
+        with torch.no_grad():
+            assert not torch.equal(free(x.view(-1, DIM)).indices.sort(-1).values, unbiased.sort(-1).values)
+        per_token_groups = [torch.unique(row // (E // groups)).numel() for row in unbiased]
+        assert max(per_token_groups) <= limited
 
 
 def _random_moe_model(cfg: ModelConfig) -> Transformer:
