@@ -62,17 +62,18 @@ def read_hf_config(path: str | Path):
 
 
 def model_config_from_folder(path: str | Path) -> ModelConfig:
-    """Our :class:`ModelConfig` for the HF folder ``path`` (through the family converters' ``from_hf_config``).
+    """Our :class:`ModelConfig` for the HF folder ``path`` (through the family registry's ``from_hf_config``,
+    as :func:`~kempnerforge.checkpoint.convert.model_config_from_hf`).
 
     Raises:
         PathError, UserError: see :func:`read_hf_config`; an architecture the converters do not support, or a
             feature they cannot represent (the converter's message, under ``model.init_from``).
     """
-    from kempnerforge.checkpoint.convert import model_config_from_hf
+    from kempnerforge.checkpoint.hf_families import family_for_hf_config
 
     hf_config = read_hf_config(path)
     try:
-        return model_config_from_hf(hf_config)
+        return family_for_hf_config(hf_config).module.from_hf_config(hf_config)
     except ValueError as err:
         arch = ", ".join(getattr(hf_config, "architectures", None) or []) or getattr(hf_config, "model_type", "?")
         raise UserError(FIELD, f"{path} holds {arch}, which kempnerforge cannot load: {err}") from err
@@ -163,9 +164,9 @@ def check_tokenizer_files(path: str | Path) -> None:
 
 def hf_family_of(cfg: ModelConfig):
     """The converter module whose ``hf_source`` maps ``cfg``'s parameters (the same family as ``kforge convert``)."""
-    from kempnerforge.checkpoint.convert import hf_family
+    from kempnerforge.checkpoint.hf_families import family_for_config
 
-    return hf_family(cfg)
+    return family_for_config(cfg).module
 
 
 @torch.no_grad()
