@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -28,7 +28,7 @@ from kempnerforge.data.sources import load_local_dataset, source_fingerprint
 METADATA_FILE = "metadata.json"
 SHARD_PATTERN = "shard_{:05d}.npy"
 # Files prepare_data itself writes; only these are removed by overwrite=True.
-_ARTIFACT_RE = re.compile(r"^(shard_\d{5}\.npy|metadata\.json)(\.tmp)?$")
+_ARTIFACT_RE = re.compile(r"^((shard|mask|offsets)_\d{5}\.npy|metadata\.json)(\.tmp)?$")  # mask/offsets: chat data
 
 
 def is_prepare_artifact(name: str) -> bool:
@@ -424,6 +424,8 @@ def prepare_data(
     text_chunk_chars: int = 1 << 20,
     overwrite: bool = False,
     progress: bool = True,
+    format: Literal["text", "chat"] = "text",
+    messages_field: str = "messages",
 ) -> dict[str, Any]:
     """Tokenizes local text into ``shard_NNNNN.npy`` token shards plus ``metadata.json``.
 
@@ -451,6 +453,10 @@ def prepare_data(
             marker to each input (SentencePiece ``Metaspace``) differs at the cuts.
         overwrite: replace an existing preparation in ``output_dir`` instead of refusing.
         progress: show a tqdm progress bar over documents.
+        format: ``text`` (documents, above) or ``chat``: jsonl conversations rendered with the tokenizer's chat
+            template into token + assistant-mask shards (:func:`~kempnerforge.data.chat_prepare.prepare_chat_data`,
+            which documents what it returns; ``text_field`` and ``text_chunk_chars`` do not apply).
+        messages_field: with ``format=chat``, the key of each record's message list.
 
     Returns:
         The metadata written to ``metadata.json``: ``tokenizer``, ``vocab_size``, ``dtype``,
@@ -465,6 +471,12 @@ def prepare_data(
         KeyError: ``text_field`` is not a column of the dataset (lists the columns).
         ValueError: unsupported source, tokenizer without EOS, bad ``shard_size``/``batch_size``.
     """
+    if format == "chat":
+        from kempnerforge.data.chat_prepare import prepare_chat_data
+
+        return prepare_chat_data(
+            source, tokenizer, output_dir, messages_field, shard_size, batch_size, overwrite, progress
+        )
     for name, value in (
         ("shard_size", shard_size),
         ("batch_size", batch_size),
@@ -511,6 +523,7 @@ def prepare_main(argv: list[str] | None = None) -> None:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     from kempnerforge.cli_errors import argparse_error_line
+    from kempnerforge.errors import UserError
 
     class Parser(ArgumentParser):
         def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -526,6 +539,9 @@ def prepare_main(argv: list[str] | None = None) -> None:
     cfg.pop("config", None)
     try:
         meta = prepare_data(**cfg)
+    except UserError as err:  # chat data names its argument (source, tokenizer, ...)
+        print(f"kforge: error: --{err.field}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from err
     except (FileNotFoundError, FileExistsError, NotADirectoryError, KeyError, TypeError, ValueError) as err:
         # prepare_data's messages about an argument start with its name: one line naming the option, exit 2.
         message = " ".join(str(err.args[0] if isinstance(err, KeyError) and err.args else err).split())
@@ -535,6 +551,13 @@ def prepare_main(argv: list[str] | None = None) -> None:
         message = message.removeprefix(f"{arg.group(1)}: ")  # "source: '/x' does not exist": named once
         print(f"kforge: error: --{arg.group(1)}: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from err
+    if meta.get("format") == "chat":
+        print(
+            f"wrote {meta['num_tokens']:,} tokens ({meta['num_conversations']:,} conversations, "
+            f"{meta['num_target_tokens']:,} assistant tokens, {len(meta['shards'])} shards, {meta['dtype']}) to "
+            f"{Path(cfg['output_dir']).resolve()}"
+        )
+        return
     print(
         f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']:,} documents, {len(meta['shards'])} shards, "
         f"{meta['dtype']}) to {Path(cfg['output_dir']).resolve()}"
