@@ -48,6 +48,8 @@ def pack_best_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """
     if len(lengths) and (lengths.min() < 1 or lengths.max() > capacity):
         raise ValueError(f"items must be 1..{capacity} long, got {lengths.min()}..{lengths.max()}")
+    if not len(lengths):
+        return []
     order = np.argsort(lengths, kind="stable")
     distinct, starts = np.unique(lengths[order], return_index=True)
     # One stack per distinct length, popped from the front (file order).
