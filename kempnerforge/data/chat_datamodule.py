@@ -15,7 +15,7 @@ from typing_extensions import override
 from kempnerforge.data.chat_dataset import OVERLONG, ChatDataset, read_chat_metadata
 from kempnerforge.data.chat_prepare import chat_fingerprint, check_chat_source, prepare_chat_data
 from kempnerforge.data.chat_template import ChatDataError, check_chat_tokenizer_files
-from kempnerforge.data.datamodule import _check_positive, dp_rank_and_size, resumable_loader
+from kempnerforge.data.datamodule import dp_rank_and_size, resumable_loader
 from kempnerforge.data.prepare import METADATA_FILE, is_prepare_artifact
 from kempnerforge.errors import UserError
 
@@ -70,23 +70,27 @@ class ChatDataModule(L.LightningDataModule):
         messages_field: str = "messages",
     ) -> None:
         super().__init__()
-        _check_positive(seq_len=seq_len, micro_batch_size=micro_batch_size)
-        if seq_len < 2:
-            raise UserError("data.seq_len", f"seq_len must be >= 2, got {seq_len}")
+        # Messages name the field: under a class_path the CLI reads it from the text (jsonargparse drops the type).
+        for name, value, low in (("seq_len", seq_len, 2), ("micro_batch_size", micro_batch_size, 1)):
+            if not isinstance(value, int) or value < low:
+                raise UserError(f"data.{name}", f"data.{name}={value!r} must be an integer >= {low}")
         if overlong not in OVERLONG:
-            raise UserError("data.overlong", f"overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
+            raise UserError("data.overlong", f"data.overlong={overlong!r} is not one of {', '.join(OVERLONG)}")
         if not 0.0 <= val_fraction < 1.0:
-            raise UserError("data.val_fraction", f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise UserError("data.val_fraction", f"data.val_fraction={val_fraction} must be in [0, 1)")
         if num_workers < 0:
-            raise UserError("data.num_workers", f"num_workers must be >= 0, got {num_workers}")
+            raise UserError("data.num_workers", f"data.num_workers={num_workers} must be >= 0")
         if (source is None) != (tokenizer is None):
+            missing, given = ("tokenizer", "source") if tokenizer is None else ("source", "tokenizer")
             raise UserError(
-                "data.tokenizer" if tokenizer is None else "data.source",
-                "source and tokenizer go together: give both (to prepare data_dir) or neither",
+                f"data.{missing}",
+                f"data.{missing} is needed with data.{given}: give both (to prepare data_dir) or neither",
             )
         if tokenizer is not None:
-            with _as_data_field():
+            try:
                 check_chat_tokenizer_files(tokenizer)
+            except ChatDataError as err:
+                raise UserError("data.tokenizer", f"data.tokenizer={err}") from err
         self.save_hyperparameters()
         self.data_dir, self.seq_len, self.micro_batch_size = data_dir, seq_len, micro_batch_size
         self.packing, self.overlong, self.val_fraction = packing, overlong, val_fraction
