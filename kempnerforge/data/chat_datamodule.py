@@ -16,7 +16,7 @@ from kempnerforge.data.chat_dataset import OVERLONG, ChatDataset, read_chat_meta
 from kempnerforge.data.chat_prepare import chat_fingerprint, check_chat_source, prepare_chat_data
 from kempnerforge.data.chat_template import ChatDataError, check_chat_tokenizer_files
 from kempnerforge.data.datamodule import dp_rank_and_size, resumable_loader
-from kempnerforge.data.prepare import METADATA_FILE, is_prepare_artifact
+from kempnerforge.data.shard_files import METADATA_FILE, is_prepare_artifact
 from kempnerforge.errors import UserError
 
 

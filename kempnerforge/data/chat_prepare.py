@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kempnerforge.data.chat_template import ChatDataError, check_messages, load_chat_tokenizer, tokenize_conversations
-from kempnerforge.data.prepare import METADATA_FILE, _atomic_write, _prepare_output_dir
+from kempnerforge.data.shard_files import METADATA_FILE, atomic_write, prepare_output_dir
 from kempnerforge.data.sources import source_fingerprint
 
 CHAT_FORMAT = "chat"
@@ -122,7 +122,7 @@ class _ChatShardWriter:
         offsets = np.concatenate([[0], np.cumsum([len(a) for a in self.ids])]).astype(np.int64)
         names = {"file": f"shard_{k:05d}.npy", "mask_file": f"mask_{k:05d}.npy", "offsets_file": f"offsets_{k:05d}.npy"}
         for key, data in (("file", tokens), ("mask_file", mask), ("offsets_file", offsets)):
-            _atomic_write(self.out / names[key], lambda f, d=data: np.save(f, d))
+            atomic_write(self.out / names[key], lambda f, d=data: np.save(f, d))
         self.shards.append(
             {
                 **names,
@@ -178,7 +178,7 @@ def prepare_chat_data(
     if first is None:
         raise ChatDataError("source", f"{source} holds no conversations (only blank lines)")
     out = Path(output_dir).expanduser().resolve()
-    _prepare_output_dir(out, overwrite)
+    prepare_output_dir(out, overwrite)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
     writer = _ChatShardWriter(out, shard_size, dtype)
     batch: list[tuple[list[dict], str]] = [first]
@@ -212,7 +212,7 @@ def prepare_chat_data(
         "messages_field": messages_field,
         "fingerprint": fingerprint,
     }
-    _atomic_write(out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode()))
+    atomic_write(out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode()))
     return metadata
 
 

@@ -23,18 +23,14 @@ from typing import Any, Literal, NoReturn
 import numpy as np
 from tqdm.auto import tqdm
 
+from kempnerforge.data.shard_files import (  # noqa: F401  (re-exported: the data modules import them from here)
+    METADATA_FILE,
+    SHARD_PATTERN,
+    is_prepare_artifact,
+)
+from kempnerforge.data.shard_files import atomic_write as _atomic_write
+from kempnerforge.data.shard_files import prepare_output_dir as _prepare_output_dir
 from kempnerforge.data.sources import load_local_dataset, source_fingerprint
-
-METADATA_FILE = "metadata.json"
-SHARD_PATTERN = "shard_{:05d}.npy"
-# Files prepare_data itself writes; only these are removed by overwrite=True.
-_ARTIFACT_RE = re.compile(r"^((shard|mask|offsets)_\d{5}\.npy|metadata\.json)(\.tmp)?$")  # mask/offsets: chat data
-
-
-def is_prepare_artifact(name: str) -> bool:
-    """True for file names :func:`prepare_data` writes (shards, metadata, their ``.tmp`` files)."""
-    return bool(_ARTIFACT_RE.match(name))
-
 
 _TEXT_SUFFIXES = (".txt",)
 _JSON_SUFFIXES = (".json", ".jsonl")
@@ -285,16 +281,6 @@ def iter_source(
 # --------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Writes via ``path.tmp`` + fsync + rename, so a crash never leaves a partial ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class ShardWriter:
     """Accumulates token ids and writes full ``shard_size`` shards as they fill.
 
@@ -342,26 +328,6 @@ class ShardWriter:
         self.shards.append({"file": name, "num_tokens": int(self._fill), "max_token_id": top})
         self.num_tokens += self._fill
         self._fill = 0
-
-
-def _prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Creates ``output_dir``; refuses a non-empty one unless ``overwrite``.
-
-    With ``overwrite`` only our own files go (metadata.json first, so the folder stops looking
-    complete before any shard disappears); anything else in the folder is left alone.
-    """
-    output_dir.mkdir(parents=True, exist_ok=True)
-    entries = sorted(p.name for p in output_dir.iterdir())
-    if entries and not overwrite:
-        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise FileExistsError(
-            f"output_dir {str(output_dir)!r} is not empty ({len(entries)} entries: {shown}); "
-            "pass overwrite=True (kforge prepare-data --overwrite true) to replace a previous preparation"
-        )
-    (output_dir / METADATA_FILE).unlink(missing_ok=True)
-    for name in entries:
-        if is_prepare_artifact(name):
-            (output_dir / name).unlink(missing_ok=True)
 
 
 def _encode_pieces(
