@@ -16,6 +16,7 @@ from kempnerforge.data.chat_dataset import OVERLONG, ChatDataset, read_chat_meta
 from kempnerforge.data.chat_prepare import chat_fingerprint, check_chat_source, prepare_chat_data
 from kempnerforge.data.chat_template import ChatDataError, check_chat_tokenizer_files
 from kempnerforge.data.datamodule import dp_rank_and_size, resumable_loader
+from kempnerforge.data.memmap import TokenDataError
 from kempnerforge.data.shard_files import METADATA_FILE, is_prepare_artifact
 from kempnerforge.errors import UserError
 
@@ -122,14 +123,21 @@ class ChatDataModule(L.LightningDataModule):
 
     def check_source(self) -> None:
         """Checks every record of ``source`` and the template on its first conversation, unless ``data_dir``
-        already holds this preparation. ``kforge`` runs it on global rank 0 before any process group exists
+        already holds this preparation; without ``source``, that ``data_dir`` holds chat data. ``kforge`` runs it on global rank 0 before any process group exists
         (:mod:`kempnerforge.preflight`): one JSON pass, no tokenizing.
 
         Raises:
-            UserError: ``data.source`` / ``data.tokenizer`` / ``data.messages_field``: the first bad record (file,
-                line, message index) or a template that is missing or breaks the prefix property.
+            UserError: ``data.source`` / ``data.tokenizer``: the first bad record (file, line, message index) or a
+                template that is missing, refuses a conversation or breaks the prefix property; ``data.data_dir``:
+                not a prepared chat folder.
         """
-        if self.source is None or self._prepared():
+        if self.source is None:
+            try:
+                read_chat_metadata(Path(self.data_dir))
+            except (FileNotFoundError, TokenDataError) as err:
+                raise UserError("data.data_dir", str(err)) from err
+            return
+        if self._prepared():
             return
         with _as_data_field():
             check_chat_source(self.source, self.tokenizer, self.messages_field)

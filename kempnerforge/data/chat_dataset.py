@@ -52,27 +52,26 @@ def pack_best_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
         return []
     order = np.argsort(lengths, kind="stable")
     distinct, starts = np.unique(lengths[order], return_index=True)
-    # One stack per distinct length, popped from the front (file order).
-    stacks = {
-        int(d): list(order[s:e][::-1]) for d, s, e in zip(distinct, starts, [*starts[1:], len(order)], strict=True)
-    }
-    avail = [int(d) for d in distinct]
+    ends = [*starts[1:].tolist(), len(order)]
+    # One stack per distinct length, popped from the end: file order within a length. Python ints: the loop
+    # below runs once per item, and numpy scalars would make it several times slower.
+    stacks = {d: order[s:e][::-1].tolist() for d, s, e in zip(distinct.tolist(), starts.tolist(), ends, strict=True)}
+    avail = distinct.tolist()
+    sizes = lengths.tolist()
     bins: list[list[int]] = []
-
-    def take(k: int) -> int:
-        length = avail[k]
-        item = int(stacks[length].pop())
-        if not stacks[length]:
-            del avail[k]
-        return item
-
     while avail:
-        first = take(len(avail) - 1)
-        row, room = [first], capacity - int(lengths[first])
+        length = avail[-1]
+        stack = stacks[length]
+        row, room = [stack.pop()], capacity - length
+        if not stack:
+            avail.pop()
         while avail and (k := bisect.bisect_right(avail, room) - 1) >= 0:
-            item = take(k)
+            stack = stacks[avail[k]]
+            item = stack.pop()
+            if not stack:
+                del avail[k]
             row.append(item)
-            room -= int(lengths[item])
+            room -= sizes[item]
         bins.append(row)
     return bins
 

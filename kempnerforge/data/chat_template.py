@@ -162,8 +162,13 @@ def check_messages(messages: Any, where: str) -> None:
         raise ChatDataError("source", f"{where}: no assistant message, so nothing to train on")
 
 
-def _render(tok: ChatTokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    return tok.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tok: ChatTokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tok.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as err:  # e.g. raise_exception('roles must alternate user/assistant')
+        raise ChatDataError("source", f"{where}: the chat template in {tok.template_file} refuses it: {err}") from err
 
 
 def tokenize_conversations(
@@ -196,7 +201,7 @@ def tokenize_conversations(
     """
     if tok.generation_markers:
         return [_with_generation_markers(tok, conv) for conv in conversations]
-    fulls = [_render(tok, conv, False) for conv in conversations]
+    fulls = [_render(tok, conv, False, where) for conv, where in zip(conversations, wheres, strict=True)]
     spans = [
         _assistant_spans(tok, conv, full, where) for conv, full, where in zip(conversations, fulls, wheres, strict=True)
     ]
@@ -221,7 +226,7 @@ def _assistant_spans(tok: ChatTokenizer, conv: list[dict], full: str, where: str
     for i, m in enumerate(conv):
         if m["role"] != "assistant":
             continue
-        prompt, turn = _render(tok, conv[:i], True), _render(tok, conv[: i + 1], False)
+        prompt, turn = _render(tok, conv[:i], True, where), _render(tok, conv[: i + 1], False, where)
         for text, what in ((prompt, f"messages[:{i}] with the generation prompt"), (turn, f"messages[:{i + 1}]")):
             if not full.startswith(text):
                 raise ChatDataError(

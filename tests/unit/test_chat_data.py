@@ -372,6 +372,21 @@ def test_bad_tokenizers_and_templates_are_refused(tokenizers, tmp_path):
         prepare_chat_data(str(src), str(thinking), str(tmp_path / "no"), progress=False)
 
 
+def test_a_template_that_raises_and_a_text_folder_are_refused(prepared, tmp_path):
+    strict = make_tokenizer(
+        tmp_path, "strict", CHATML.replace("{% for", "{{ raise_exception('roles must alternate') }}{% for")
+    )
+    src = write_jsonl(tmp_path / "c.jsonl", OTHERS[:1])
+    with pytest.raises(ChatDataError, match=r"c.jsonl line 1: the chat template in .*strict.* refuses it: roles must"):
+        prepare_chat_data(str(src), str(strict), str(tmp_path / "out"), progress=False)
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    prepare_data(str(tmp_path / "a.txt"), str(GPT2), str(tmp_path / "text"), progress=False)
+    with pytest.raises(UserError, match="not chat data") as err:
+        ChatDataModule(str(tmp_path / "text")).check_source()
+    assert err.value.field == "data.data_dir"
+    ChatDataModule(str(prepared["chatml"])).check_source()  # a chat folder passes
+
+
 def test_prepare_data_cli_prints_one_line(tokenizers, tmp_path, capsys):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"messages": 3}\n')
