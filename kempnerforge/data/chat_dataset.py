@@ -128,6 +128,10 @@ class ChatDataset(Dataset):
         self._shard = np.concatenate([np.full(len(o) - 1, i, dtype=np.int32) for i, o in enumerate(offsets)])
         lo, hi = conversations if conversations is not None else (0, len(self._starts))
         self._plan(lo, hi)
+        # Per row entry only where its tokens start, in which shard, and how many: 16 bytes per conversation.
+        self._entry_start, self._entry_shard = self._starts[self._conv], self._shard[self._conv]
+        self._len = self._len.astype(np.int32)
+        del self._starts, self._lengths, self._shard, self._conv
         if len(self) == 0:
             raise TokenDataError(
                 f"{self.data_dir}: no conversation left for seq_len={seq_len} with overlong={overlong!r} "
@@ -187,7 +191,9 @@ class ChatDataset(Dataset):
         pos = 0
         for k in range(self._rows[index], self._rows[index + 1]):
             n = int(self._len[k])
-            tokens, mask = self._conversation(int(self._conv[k]), n)
+            tokens, mask = self._shards()[self._entry_shard[k]]
+            start = int(self._entry_start[k])
+            tokens, mask = tokens[start : start + n], mask[start : start + n]
             tokens = tokens.astype(np.int64)  # uint16 on disk: -100 must not wrap
             ids[pos : pos + n] = tokens
             labels[pos : pos + n - 1] = np.where(mask[1:] != 0, tokens[1:], IGNORE_INDEX)

@@ -8,13 +8,14 @@ assistant message and its end-of-turn token (the tokenizer's ``eos_token``, e.g.
 what it writes after the end-of-turn token) is context only.
 
 Most released templates (Llama 3.x, Qwen 2.5 / 3) have no ``{% generation %}`` markers, so the assistant
-spans are found by rendering the conversation prefix by prefix and comparing token ids, as open-instruct's
-and OLMo's SFT pipelines do: the tokens of ``messages[:i]`` plus the generation prompt end where message
-``i`` starts, the tokens of ``messages[:i + 1]`` end where it stops. That is only correct when every prefix
-renders to a prefix of the whole conversation's tokens; this is checked for every conversation, and a
-template that breaks it (Qwen 3's template drops earlier turns' reasoning blocks) is refused, naming the
-template file. A template with ``{% generation %}`` markers is used through ``transformers``'
-``return_assistant_tokens_mask`` instead, which needs no prefix property.
+spans are found by rendering the conversation prefix by prefix, as open-instruct's and OLMo's SFT pipelines
+do: the text of ``messages[:i]`` plus the generation prompt ends where message ``i`` starts, the text of
+``messages[:i + 1]`` ends where it stops, and the tokens of the whole conversation are mapped onto those
+character spans by the fast tokenizer's offsets (a merge across a turn boundary cannot shift them). That is
+only correct when every prefix renders to a prefix of the whole conversation; this is checked for every
+conversation, and a template that breaks it (Qwen 3's template drops earlier turns' reasoning blocks) is
+refused, naming the template file. A template with ``{% generation %}`` markers is used through
+``transformers``' ``return_assistant_tokens_mask`` instead, which needs no prefix property.
 """
 
 from __future__ import annotations
