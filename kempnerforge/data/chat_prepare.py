@@ -14,7 +14,10 @@ reads it and packs or pads conversations into rows for a given ``seq_len``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +25,13 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from kempnerforge.data.chat_template import ChatDataError, check_messages, load_chat_tokenizer, tokenize_conversations
+from kempnerforge.data.chat_template import (
+    ChatDataError,
+    ChatTokenizer,
+    check_messages,
+    load_chat_tokenizer,
+    tokenize_conversations,
+)
 from kempnerforge.data.shard_files import METADATA_FILE, atomic_write, prepare_output_dir
 from kempnerforge.data.sources import source_fingerprint
 
@@ -144,6 +153,7 @@ def prepare_chat_data(
     batch_size: int = 256,
     overwrite: bool = False,
     progress: bool = True,
+    num_proc: int = 1,
 ) -> dict[str, Any]:
     """Renders chat jsonl with the tokenizer's template into token + target-mask shards and ``metadata.json``.
 
@@ -159,6 +169,8 @@ def prepare_chat_data(
         batch_size: conversations tokenized per batch.
         overwrite: replace a previous preparation in ``output_dir``.
         progress: show a progress bar.
+        num_proc: worker processes rendering and tokenizing batches (template rendering is pure Python: about
+            2,000 short conversations/s per process); the output is the same for any value.
 
     Returns:
         The metadata: ``format="chat"``, ``tokenizer``, ``chat_template_file``, ``vocab_size``, ``dtype``,
@@ -170,7 +182,11 @@ def prepare_chat_data(
         ChatDataError: bad source records or tokenizer (see :func:`iter_conversations`,
             :func:`~kempnerforge.data.chat_template.tokenize_conversations`), nothing written.
         FileExistsError: ``output_dir`` is not empty and ``overwrite`` is False.
+        ValueError: ``num_proc``, ``batch_size`` or ``shard_size`` below 1.
     """
+    for name, value in (("num_proc", num_proc), ("batch_size", batch_size), ("shard_size", shard_size)):
+        if value < 1:
+            raise ChatDataError(name, f"{name} must be a positive integer, got {value}")
     tok = load_chat_tokenizer(tokenizer)
     fingerprint = chat_fingerprint(source, tokenizer, messages_field)
     conversations = iter_conversations(source, messages_field)
@@ -181,20 +197,19 @@ def prepare_chat_data(
     prepare_output_dir(out, overwrite)
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
     writer = _ChatShardWriter(out, shard_size, dtype)
-    batch: list[tuple[list[dict], str]] = [first]
-
-    def encode() -> None:
-        for ids, mask in tokenize_conversations(tok, [m for m, _ in batch], [w for _, w in batch]):
-            writer.add(ids, mask)
-        bar.update(len(batch))
-        batch.clear()
-
-    with tqdm(unit="conv", desc="rendering", disable=not progress) as bar:
-        for item in conversations:
-            batch.append(item)
-            if len(batch) >= batch_size:
-                encode()
-        encode()
+    batches = _batches(first, conversations, batch_size)
+    with contextlib.ExitStack() as stack:
+        if num_proc > 1:  # ordered: the shards are the same for any num_proc
+            ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+            pool = stack.enter_context(ctx.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer,)))
+            encoded = pool.imap(_encode_batch, batches)
+        else:
+            encoded = (_encode_batch(batch, tok) for batch in batches)
+        bar = stack.enter_context(tqdm(unit="conv", desc="rendering", disable=not progress))
+        for pairs in encoded:
+            for ids, mask in pairs:
+                writer.add(ids, mask)
+            bar.update(len(pairs))
     writer.flush()
     shards = writer.shards
     metadata = {
@@ -214,6 +229,29 @@ def prepare_chat_data(
     }
     atomic_write(out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode()))
     return metadata
+
+
+_WORKER_TOKENIZER: list[ChatTokenizer] = []
+
+
+def _init_worker(tokenizer: str) -> None:
+    _WORKER_TOKENIZER[:] = [load_chat_tokenizer(tokenizer)]
+
+
+def _encode_batch(batch: list[tuple[list[dict], str]], tok: ChatTokenizer | None = None) -> list:
+    tok = tok if tok is not None else _WORKER_TOKENIZER[0]
+    return tokenize_conversations(tok, [m for m, _ in batch], [w for _, w in batch])
+
+
+def _batches(first: Any, rest: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    batch = [first]
+    for item in rest:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def chat_fingerprint(source: str, tokenizer: str, messages_field: str) -> str:

@@ -392,6 +392,7 @@ def prepare_data(
     progress: bool = True,
     format: Literal["text", "chat"] = "text",
     messages_field: str = "messages",
+    num_proc: int = 1,
 ) -> dict[str, Any]:
     """Tokenizes local text into ``shard_NNNNN.npy`` token shards plus ``metadata.json``.
 
@@ -423,6 +424,7 @@ def prepare_data(
             template into token + assistant-mask shards (:func:`~kempnerforge.data.chat_prepare.prepare_chat_data`,
             which documents what it returns; ``text_field`` and ``text_chunk_chars`` do not apply).
         messages_field: with ``format=chat``, the key of each record's message list.
+        num_proc: with ``format=chat``, processes rendering the conversations (same output for any value).
 
     Returns:
         The metadata written to ``metadata.json``: ``tokenizer``, ``vocab_size``, ``dtype``,
@@ -441,8 +443,10 @@ def prepare_data(
         from kempnerforge.data.chat_prepare import prepare_chat_data
 
         return prepare_chat_data(
-            source, tokenizer, output_dir, messages_field, shard_size, batch_size, overwrite, progress
+            source, tokenizer, output_dir, messages_field, shard_size, batch_size, overwrite, progress, num_proc
         )
+    if num_proc != 1:
+        raise ValueError(f"num_proc={num_proc} applies to format=chat; text is tokenized in batches by one process")
     for name, value in (
         ("shard_size", shard_size),
         ("batch_size", batch_size),
@@ -511,7 +515,7 @@ def prepare_main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, FileExistsError, NotADirectoryError, KeyError, TypeError, ValueError) as err:
         # prepare_data's messages about an argument start with its name: one line naming the option, exit 2.
         message = " ".join(str(err.args[0] if isinstance(err, KeyError) and err.args else err).split())
-        arg = re.match(r"(source|tokenizer|output_dir|text_field|shard_size|batch_size|text_chunk_chars)\b", message)
+        arg = re.match(r"(source|tokenizer|output_dir|text_field|shard_size|batch_size|text_chunk_chars|num_proc)\b", message)
         if arg is None:
             raise
         message = message.removeprefix(f"{arg.group(1)}: ")  # "source: '/x' does not exist": named once

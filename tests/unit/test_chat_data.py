@@ -287,6 +287,17 @@ def test_overlong_conversations_are_truncated_or_dropped(prepared, tokenizers):
     assert (none_left.stats["dropped"], none_left.stats["truncated"], none_left.stats["conversations"]) == (2, 2, 4)
 
 
+def test_worker_processes_write_the_same_shards(tokenizers, tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", [THREE_TURNS, *OTHERS] * 20)
+    one = prepare_chat_data(str(src), str(tokenizers["llama3"]), str(tmp_path / "a"), batch_size=16, progress=False)
+    two = prepare_chat_data(str(src), str(tokenizers["llama3"]), str(tmp_path / "b"), batch_size=16, progress=False,
+                            num_proc=2)  # fmt: skip
+    assert one["shards"] == two["shards"] and one["num_conversations"] == 120
+    for key in ("file", "mask_file", "offsets_file"):
+        name = one["shards"][0][key]
+        assert np.array_equal(np.load(tmp_path / "a" / name), np.load(tmp_path / "b" / name))
+
+
 def test_text_and_chat_folders_refuse_each_other(prepared, tmp_path):
     with pytest.raises(TokenDataError, match="holds chat data"):
         MemmapTokenDataset(prepared["chatml"], seq_len=16)
