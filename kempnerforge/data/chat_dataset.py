@@ -122,7 +122,7 @@ class ChatDataset(Dataset):
             )
         self.pad_id, self.overlong = int(meta["pad_id"]), overlong
         self._arrays: list[tuple[np.ndarray, np.ndarray]] | None = None
-        offsets = [np.load(self.data_dir / s["offsets_file"], allow_pickle=False) for s in meta["shards"]]
+        offsets = [_offsets(self.data_dir, s) for s in meta["shards"]]
         self._starts = np.concatenate([o[:-1] for o in offsets]).astype(np.int64)
         self._lengths = np.concatenate([np.diff(o) for o in offsets]).astype(np.int64)
         self._shard = np.concatenate([np.full(len(o) - 1, i, dtype=np.int32) for i, o in enumerate(offsets)])
@@ -165,10 +165,15 @@ class ChatDataset(Dataset):
     def _shards(self) -> list[tuple[np.ndarray, np.ndarray]]:
         if self._arrays is None:  # lazily, also after unpickling in a DataLoader worker
             dtype = self.metadata["dtype"]
-            self._arrays = [
-                (open_shard(self.data_dir / s["file"], dtype), open_shard(self.data_dir / s["mask_file"], "uint8"))
-                for s in self.metadata["shards"]
-            ]
+            self._arrays = []
+            for s in self.metadata["shards"]:
+                tokens, mask = open_shard(self.data_dir / s["file"], dtype), open_shard(self.data_dir / s["mask_file"], "uint8")
+                if not len(tokens) == len(mask) == s["num_tokens"]:
+                    raise TokenDataError(
+                        f"{self.data_dir / s['file']} holds {len(tokens)} tokens and {s['mask_file']} {len(mask)} mask "
+                        f"entries, but metadata.json says {s['num_tokens']}; prepare the data again"
+                    )
+                self._arrays.append((tokens, mask))
         return self._arrays
 
     def _conversation(self, c: int, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -209,6 +214,21 @@ class ChatDataset(Dataset):
         state = self.__dict__.copy()
         state["_arrays"] = None  # a pickled memmap would copy the shard
         return state
+
+
+def _offsets(data_dir: Path, shard: dict[str, Any]) -> np.ndarray:
+    """A shard's conversation offsets, checked against its metadata entry (a truncated or mixed-up folder)."""
+    path = data_dir / shard["offsets_file"]
+    try:
+        offsets = np.load(path, allow_pickle=False)
+    except Exception as e:  # missing, truncated or not .npy
+        raise TokenDataError(f"{path} cannot be read ({e}); prepare the data again") from e
+    if offsets.ndim != 1 or len(offsets) != shard["num_conversations"] + 1 or offsets[-1] != shard["num_tokens"]:
+        raise TokenDataError(
+            f"{path} does not match metadata.json ({shard['num_conversations']} conversations, {shard['num_tokens']} "
+            "tokens); prepare the data again"
+        )
+    return offsets
 
 
 def read_chat_metadata(data_dir: Path) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -296,6 +297,18 @@ def test_worker_processes_write_the_same_shards(tokenizers, tmp_path):
     for key in ("file", "mask_file", "offsets_file"):
         name = one["shards"][0][key]
         assert np.array_equal(np.load(tmp_path / "a" / name), np.load(tmp_path / "b" / name))
+
+
+def test_an_inconsistent_chat_folder_is_refused(prepared, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(prepared["chatml"], broken)
+    np.save(broken / "offsets_00000.npy", np.load(broken / "offsets_00000.npy")[:-1])
+    with pytest.raises(TokenDataError, match="offsets_00000.npy does not match metadata.json"):
+        ChatDataset(broken, seq_len=64)
+    shutil.copy(prepared["chatml"] / "offsets_00000.npy", broken)
+    np.save(broken / "mask_00000.npy", np.load(broken / "mask_00000.npy")[:-1])
+    with pytest.raises(TokenDataError, match="mask entries, but metadata.json says"):
+        ChatDataset(broken, seq_len=64)[0]
 
 
 def test_text_and_chat_folders_refuse_each_other(prepared, tmp_path):
