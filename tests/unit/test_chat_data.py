@@ -311,6 +311,19 @@ def test_an_inconsistent_chat_folder_is_refused(prepared, tmp_path):
         ChatDataset(broken, seq_len=64)[0]
 
 
+def test_a_folder_of_jsonl_files_and_another_messages_field(prepared, tokenizers, tmp_path):
+    (tmp_path / "src" / "b").mkdir(parents=True)
+    for name, convs in (("a.jsonl", [THREE_TURNS, *OTHERS[:2]]), ("b/c.jsonl", OTHERS[2:])):
+        (tmp_path / "src" / name).write_text("".join(json.dumps({"conv": c}) + "\n\n" for c in convs))  # blank lines
+    meta = prepare_chat_data(
+        str(tmp_path / "src"), str(tokenizers["chatml"]), str(tmp_path / "o"), "conv", progress=False
+    )
+    ref = json.loads((prepared["chatml"] / "metadata.json").read_text())
+    assert meta["shards"] == ref["shards"]  # same conversations in the same order as the one-file source
+    with pytest.raises(ChatDataError, match="has no 'messages' field"):
+        prepare_chat_data(str(tmp_path / "src"), str(tokenizers["chatml"]), str(tmp_path / "p"), progress=False)
+
+
 def test_text_and_chat_folders_refuse_each_other(prepared, tmp_path):
     with pytest.raises(TokenDataError, match="holds chat data"):
         MemmapTokenDataset(prepared["chatml"], seq_len=16)
