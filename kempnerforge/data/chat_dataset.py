@@ -167,7 +167,10 @@ class ChatDataset(Dataset):
             dtype = self.metadata["dtype"]
             self._arrays = []
             for s in self.metadata["shards"]:
-                tokens, mask = open_shard(self.data_dir / s["file"], dtype), open_shard(self.data_dir / s["mask_file"], "uint8")
+                tokens, mask = (
+                    open_shard(self.data_dir / s["file"], dtype),
+                    open_shard(self.data_dir / s["mask_file"], "uint8"),
+                )
                 if not len(tokens) == len(mask) == s["num_tokens"]:
                     raise TokenDataError(
                         f"{self.data_dir / s['file']} holds {len(tokens)} tokens and {s['mask_file']} {len(mask)} mask "

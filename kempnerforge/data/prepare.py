@@ -515,7 +515,9 @@ def prepare_main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, FileExistsError, NotADirectoryError, KeyError, TypeError, ValueError) as err:
         # prepare_data's messages about an argument start with its name: one line naming the option, exit 2.
         message = " ".join(str(err.args[0] if isinstance(err, KeyError) and err.args else err).split())
-        arg = re.match(r"(source|tokenizer|output_dir|text_field|shard_size|batch_size|text_chunk_chars|num_proc)\b", message)
+        arg = re.match(
+            r"(source|tokenizer|output_dir|text_field|shard_size|batch_size|text_chunk_chars|num_proc)\b", message
+        )
         if arg is None:
             raise
         message = message.removeprefix(f"{arg.group(1)}: ")  # "source: '/x' does not exist": named once
