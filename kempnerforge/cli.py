@@ -134,6 +134,8 @@ class KForgeCLI(LightningCLI):
         """Link the model's vocabulary size into the data module (``init_args`` paths in subclass mode)."""
         if self.subclass_mode_model:
             parser.link_arguments("model.init_args.config.vocab_size", "data.init_args.vocab_size")
+        elif self.subclass_mode_data:
+            parser.link_arguments("model.config.vocab_size", "data.init_args.vocab_size")
         else:
             parser.link_arguments("model.config.vocab_size", "data.vocab_size")
 
@@ -316,15 +318,16 @@ def _config_paths(args: list[str]) -> list[str]:
     return paths + [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
 
 
-def uses_class_paths(args: list[str]) -> bool:
+def uses_class_paths(args: list[str], section: str = "model") -> bool:
     """True when the recipe names its LightningModule by ``class_path`` (``model: {class_path: ...}``,
-    as the VLM recipes do) in a ``--config`` file or on the command line.
+    as the VLM recipes do) in a ``--config`` file or on the command line; ``section="data"``: its data module
+    (``data: {class_path: ...ChatDataModule}``).
 
     Raises:
         PathError: a ``--config`` file that does not exist.
         UserError: a ``--config`` file that is not YAML.
     """
-    if any(a.startswith(("--model.class_path", "--model=")) for a in args):
+    if any(a.startswith((f"--{section}.class_path", f"--{section}=")) for a in args):
         return True
     for path in _config_paths(args):
         if not Path(path).is_file():
@@ -334,7 +337,7 @@ def uses_class_paths(args: list[str]) -> bool:
                 config = yaml.safe_load(f) or {}
         except yaml.YAMLError as err:
             raise UserError("--config", f"{path} is not valid YAML: {' '.join(str(err).split())}") from err
-        if isinstance(config, dict) and isinstance(config.get("model"), dict) and "class_path" in config["model"]:
+        if isinstance(config, dict) and isinstance(config.get(section), dict) and "class_path" in config[section]:
             return True
     return False
 
@@ -342,7 +345,8 @@ def uses_class_paths(args: list[str]) -> bool:
 def cli_classes(args: list[str]) -> dict[str, Any]:
     """LightningCLI class arguments for ``args``: ``CausalLM`` + ``TokenDataModule`` for plain recipes,
     or subclass mode (any ``CausalLM`` subclass such as ``VisionLanguage``, any LightningDataModule,
-    both chosen by ``class_path``) when :func:`uses_class_paths`."""
+    both chosen by ``class_path``) when :func:`uses_class_paths`; a plain ``CausalLM`` with any LightningDataModule
+    (``data: {class_path: ...}``, e.g. ``ChatDataModule``) when only the data module is named so."""
     if uses_class_paths(args):
         return {
             "model_class": CausalLM,
@@ -350,6 +354,8 @@ def cli_classes(args: list[str]) -> dict[str, Any]:
             "subclass_mode_model": True,
             "subclass_mode_data": True,
         }
+    if uses_class_paths(args, "data"):  # a plain CausalLM with another data module (chat data, mixtures)
+        return {"model_class": CausalLM, "datamodule_class": LightningDataModule, "subclass_mode_data": True}
     return {"model_class": CausalLM, "datamodule_class": TokenDataModule}
 
 

@@ -8,6 +8,7 @@ configs, the files and the world size the cluster environment already knows (:fu
 - paths: the data (``data.data_dir`` prepared, or ``data.source``), ``data.tokenizer``, the vision encoder's
   ``pretrained_path``, an explicit ``ckpt_path`` (and, on global rank 0, its files:
   :func:`~kempnerforge.checkpoint.verify.verify_checkpoint`);
+- the data's records, where the data module has a ``check_source`` (chat jsonl: every line, on global rank 0);
 - the mesh: degrees against the world size, the model's and the data's parallel rules
   (:meth:`KempnerStrategy.check_layout`), the data's lengths against the model (``check_data``);
 - the checkpoint folder (``fit``, global rank 0): writable, with room for one checkpoint of the estimated
@@ -271,6 +272,9 @@ def preflight(
     strategy = trainer.strategy
     world = expected_world(strategy) if getattr(strategy, "cluster_environment", None) is not None else None
     world = world or WorldSpec(1, 0, "trainer.devices", "one process", "")
+    check_source = getattr(datamodule, "check_source", None)
+    if callable(check_source) and world.rank == 0:  # reads the whole source once: one rank does it
+        check_source()
     check_ckpt_path(strategy, ckpt_path, world)
     check_layout(trainer, module, datamodule, world)
     if subcommand == "fit" and world.rank == 0:

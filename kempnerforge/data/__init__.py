@@ -4,6 +4,9 @@
   ``shard_NNNNN.npy`` + ``metadata.json``.
 - :class:`MemmapTokenDataset`: ``(seq_len + 1)``-token windows over the shards.
 - :class:`TokenDataModule`: train/val split, resumable data-parallel sampling.
+- :func:`~kempnerforge.data.chat_prepare.prepare_chat_data` (``kforge prepare-data --format chat``) and
+  :class:`ChatDataModule`: chat jsonl rendered with the tokenizer's template, loss on assistant tokens only,
+  packed or padded rows.
 - :class:`StreamingTokenDataModule` / :class:`PackedTokenStream`: a local Hugging Face dataset read with
   ``streaming=True``, tokenized on the fly, packed, sharded over ranks and workers, exactly resumable.
 
@@ -14,6 +17,9 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
+    "ChatDataModule": "chat_datamodule",
+    "ChatDataset": "chat_dataset",
+    "prepare_chat_data": "chat_prepare",
     "MemmapTokenDataset": "memmap",
     "TokenDataError": "memmap",
     "read_metadata": "memmap",

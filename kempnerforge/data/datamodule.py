@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing_extensions import override
-
 import json
 import math
 from pathlib import Path
@@ -14,6 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from typing_extensions import override
 
 from kempnerforge.data.memmap import MemmapTokenDataset
 from kempnerforge.data.prepare import METADATA_FILE, is_prepare_artifact

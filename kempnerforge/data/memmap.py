@@ -125,6 +125,11 @@ class MemmapTokenDataset(Dataset):
             raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len}")
         self.data_dir, self.seq_len = Path(data_dir), int(seq_len)
         self.metadata = read_metadata(self.data_dir)
+        if self.metadata.get("format") == "chat":
+            raise TokenDataError(
+                f"{self.data_dir} holds chat data (prepared with --format chat): train on it with "
+                "data.class_path=kempnerforge.data.chat_datamodule.ChatDataModule"
+            )
         self.eos_id: int | None = None
         if document_masking:
             if not isinstance(self.metadata.get("eos_id"), int):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing_extensions import override
-
 import bisect
 import math
 from dataclasses import asdict
@@ -12,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from typing_extensions import override
 
 from kempnerforge.data.datamodule import TokenDataModule, scans_token_ids
 from kempnerforge.data.memmap import MemmapTokenDataset

@@ -18,23 +18,19 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from kempnerforge.data.shard_files import (  # noqa: F401  (re-exported: the data modules import them from here)
+    METADATA_FILE,
+    SHARD_PATTERN,
+    is_prepare_artifact,
+)
+from kempnerforge.data.shard_files import atomic_write as _atomic_write
+from kempnerforge.data.shard_files import prepare_output_dir as _prepare_output_dir
 from kempnerforge.data.sources import load_local_dataset, source_fingerprint
-
-METADATA_FILE = "metadata.json"
-SHARD_PATTERN = "shard_{:05d}.npy"
-# Files prepare_data itself writes; only these are removed by overwrite=True.
-_ARTIFACT_RE = re.compile(r"^(shard_\d{5}\.npy|metadata\.json)(\.tmp)?$")
-
-
-def is_prepare_artifact(name: str) -> bool:
-    """True for file names :func:`prepare_data` writes (shards, metadata, their ``.tmp`` files)."""
-    return bool(_ARTIFACT_RE.match(name))
-
 
 _TEXT_SUFFIXES = (".txt",)
 _JSON_SUFFIXES = (".json", ".jsonl")
@@ -285,16 +281,6 @@ def iter_source(
 # --------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Writes via ``path.tmp`` + fsync + rename, so a crash never leaves a partial ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class ShardWriter:
     """Accumulates token ids and writes full ``shard_size`` shards as they fill.
 
@@ -342,26 +328,6 @@ class ShardWriter:
         self.shards.append({"file": name, "num_tokens": int(self._fill), "max_token_id": top})
         self.num_tokens += self._fill
         self._fill = 0
-
-
-def _prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Creates ``output_dir``; refuses a non-empty one unless ``overwrite``.
-
-    With ``overwrite`` only our own files go (metadata.json first, so the folder stops looking
-    complete before any shard disappears); anything else in the folder is left alone.
-    """
-    output_dir.mkdir(parents=True, exist_ok=True)
-    entries = sorted(p.name for p in output_dir.iterdir())
-    if entries and not overwrite:
-        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-        raise FileExistsError(
-            f"output_dir {str(output_dir)!r} is not empty ({len(entries)} entries: {shown}); "
-            "pass overwrite=True (kforge prepare-data --overwrite true) to replace a previous preparation"
-        )
-    (output_dir / METADATA_FILE).unlink(missing_ok=True)
-    for name in entries:
-        if is_prepare_artifact(name):
-            (output_dir / name).unlink(missing_ok=True)
 
 
 def _encode_pieces(
@@ -424,6 +390,9 @@ def prepare_data(
     text_chunk_chars: int = 1 << 20,
     overwrite: bool = False,
     progress: bool = True,
+    format: Literal["text", "chat"] = "text",
+    messages_field: str = "messages",
+    num_proc: int = 1,
 ) -> dict[str, Any]:
     """Tokenizes local text into ``shard_NNNNN.npy`` token shards plus ``metadata.json``.
 
@@ -451,6 +420,11 @@ def prepare_data(
             marker to each input (SentencePiece ``Metaspace``) differs at the cuts.
         overwrite: replace an existing preparation in ``output_dir`` instead of refusing.
         progress: show a tqdm progress bar over documents.
+        format: ``text`` (documents, above) or ``chat``: jsonl conversations rendered with the tokenizer's chat
+            template into token + assistant-mask shards (:func:`~kempnerforge.data.chat_prepare.prepare_chat_data`,
+            which documents what it returns; ``text_field`` and ``text_chunk_chars`` do not apply).
+        messages_field: with ``format=chat``, the key of each record's message list.
+        num_proc: with ``format=chat``, processes rendering the conversations (same output for any value).
 
     Returns:
         The metadata written to ``metadata.json``: ``tokenizer``, ``vocab_size``, ``dtype``,
@@ -465,6 +439,14 @@ def prepare_data(
         KeyError: ``text_field`` is not a column of the dataset (lists the columns).
         ValueError: unsupported source, tokenizer without EOS, bad ``shard_size``/``batch_size``.
     """
+    if format == "chat":
+        from kempnerforge.data.chat_prepare import prepare_chat_data
+
+        return prepare_chat_data(
+            source, tokenizer, output_dir, messages_field, shard_size, batch_size, overwrite, progress, num_proc
+        )
+    if num_proc != 1:
+        raise ValueError(f"num_proc={num_proc} applies to format=chat; text is tokenized in batches by one process")
     for name, value in (
         ("shard_size", shard_size),
         ("batch_size", batch_size),
@@ -511,6 +493,7 @@ def prepare_main(argv: list[str] | None = None) -> None:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     from kempnerforge.cli_errors import argparse_error_line
+    from kempnerforge.errors import UserError
 
     class Parser(ArgumentParser):
         def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -526,15 +509,27 @@ def prepare_main(argv: list[str] | None = None) -> None:
     cfg.pop("config", None)
     try:
         meta = prepare_data(**cfg)
+    except UserError as err:  # chat data names its argument (source, tokenizer, ...)
+        print(f"kforge: error: --{err.field}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from err
     except (FileNotFoundError, FileExistsError, NotADirectoryError, KeyError, TypeError, ValueError) as err:
         # prepare_data's messages about an argument start with its name: one line naming the option, exit 2.
         message = " ".join(str(err.args[0] if isinstance(err, KeyError) and err.args else err).split())
-        arg = re.match(r"(source|tokenizer|output_dir|text_field|shard_size|batch_size|text_chunk_chars)\b", message)
+        arg = re.match(
+            r"(source|tokenizer|output_dir|text_field|shard_size|batch_size|text_chunk_chars|num_proc)\b", message
+        )
         if arg is None:
             raise
         message = message.removeprefix(f"{arg.group(1)}: ")  # "source: '/x' does not exist": named once
         print(f"kforge: error: --{arg.group(1)}: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from err
+    if meta.get("format") == "chat":
+        print(
+            f"wrote {meta['num_tokens']:,} tokens ({meta['num_conversations']:,} conversations, "
+            f"{meta['num_target_tokens']:,} assistant tokens, {len(meta['shards'])} shards, {meta['dtype']}) to "
+            f"{Path(cfg['output_dir']).resolve()}"
+        )
+        return
     print(
         f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']:,} documents, {len(meta['shards'])} shards, "
         f"{meta['dtype']}) to {Path(cfg['output_dir']).resolve()}"

@@ -18,7 +18,7 @@ from typing import Any
 
 # Packaged builders of `datasets` that read local files only.
 LOCAL_BUILDERS = ("text", "json", "parquet", "csv", "arrow")
-_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens")
+_TOKENIZER_FILE_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens", "chat_template")
 
 
 def _local_paths(value: Any, field: str) -> list[Path]:

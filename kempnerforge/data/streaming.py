@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing_extensions import override
-
 from typing import Any
 
 import lightning as L
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
+from typing_extensions import override
 
 from kempnerforge.data.hf_dataset import PackedTokenStream
 from kempnerforge.data.prepare import load_tokenizer

@@ -7,8 +7,6 @@ processor, train/val split, resumable loaders); :class:`ImageTextDataModule` and
 
 from __future__ import annotations
 
-from typing_extensions import override
-
 import abc
 import math
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
+from typing_extensions import override
 
 from kempnerforge.data.datamodule import TokenDataModule, resumable_loader
 from kempnerforge.data.image_text import ImageTextCollator, ImageTextDataset

@@ -1,0 +1,53 @@
+"""Files of a prepared token folder that text and chat preparation share: names, atomic writes, the output folder.
+
+:mod:`kempnerforge.data.prepare` (text) and :mod:`kempnerforge.data.chat_prepare` (chat) both write through
+these, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+METADATA_FILE = "metadata.json"
+SHARD_PATTERN = "shard_{:05d}.npy"
+# Files prepare_data itself writes; only these are removed by overwrite=True.
+_ARTIFACT_RE = re.compile(r"^((shard|mask|offsets)_\d{5}\.npy|metadata\.json)(\.tmp)?$")  # mask/offsets: chat data
+
+
+def is_prepare_artifact(name: str) -> bool:
+    """True for file names :func:`prepare_data` writes (shards, metadata, their ``.tmp`` files)."""
+    return bool(_ARTIFACT_RE.match(name))
+
+
+def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Writes via ``path.tmp`` + fsync + rename, so a crash never leaves a partial ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """Creates ``output_dir``; refuses a non-empty one unless ``overwrite``.
+
+    With ``overwrite`` only our own files go (metadata.json first, so the folder stops looking
+    complete before any shard disappears); anything else in the folder is left alone.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    entries = sorted(p.name for p in output_dir.iterdir())
+    if entries and not overwrite:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise FileExistsError(
+            f"output_dir {str(output_dir)!r} is not empty ({len(entries)} entries: {shown}); "
+            "pass overwrite=True (kforge prepare-data --overwrite true) to replace a previous preparation"
+        )
+    (output_dir / METADATA_FILE).unlink(missing_ok=True)
+    for name in entries:
+        if is_prepare_artifact(name):
+            (output_dir / name).unlink(missing_ok=True)
