@@ -7,21 +7,19 @@ import math
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
 from kempnerforge.data.chat_dataset import OVERLONG, ChatDataset, read_chat_metadata
 from kempnerforge.data.chat_prepare import chat_fingerprint, check_chat_source, prepare_chat_data
 from kempnerforge.data.chat_template import ChatDataError, check_chat_tokenizer_files
-from kempnerforge.data.datamodule import dp_rank_and_size, resumable_loader
+from kempnerforge.data.datamodule import ResumableLoaders
 from kempnerforge.data.memmap import TokenDataError
 from kempnerforge.data.shard_files import METADATA_FILE, is_prepare_artifact
 from kempnerforge.errors import UserError
 
 
-class ChatDataModule(L.LightningDataModule):
+class ChatDataModule(ResumableLoaders):
     """Train/val rows of chat conversations (``kforge prepare-data --format chat``), loss on assistant tokens.
 
     Batches are ``{"input_ids", "labels"}`` (micro_batch_size, seq_len) int64 with ``labels = -100`` on every
@@ -186,29 +184,13 @@ class ChatDataModule(L.LightningDataModule):
             f"({'packed' if self.packing else 'padded'}, {stats['fill']:.0%} of positions hold tokens); "
             f"{stats['truncated']} truncated, {stats['dropped']} dropped (overlong={self.overlong})"
         )
-        _, dp = dp_rank_and_size(getattr(self, "trainer", None))
+        _, dp = self.dp_rank_and_size()
         if len(self.train_dataset) < self.micro_batch_size * dp:
             raise ValueError(
                 f"{self.data_dir!r} gives {len(self.train_dataset)} training rows of seq_len={self.seq_len}, fewer than "
                 f"one global batch of micro_batch_size * dp = {self.micro_batch_size} * {dp}; lower micro_batch_size "
                 "or add data"
             )
-
-    def _loader(self, dataset: ChatDataset, train: bool) -> StatefulDataLoader:
-        rank, dp = dp_rank_and_size(getattr(self, "trainer", None))
-        return resumable_loader(dataset, self.micro_batch_size, rank, dp, train, self.data_seed, self.num_workers)
-
-    @override
-    def train_dataloader(self) -> StatefulDataLoader:
-        """Shuffled, ``drop_last`` loader of rows (micro_batch_size, seq_len)."""
-        self.setup("fit")
-        return self._loader(self.train_dataset, train=True)
-
-    @override
-    def val_dataloader(self) -> StatefulDataLoader | list:
-        """In-order loader over the held-out conversations' rows; ``[]`` when ``val_fraction`` is 0."""
-        self.setup("validate")
-        return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
 
 
 class _as_data_field:

@@ -49,7 +49,42 @@ class ResumableDistributedSampler(StatefulDistributedSampler):
             self.epoch += 1
 
 
-class TokenDataModule(L.LightningDataModule):
+class ResumableLoaders(L.LightningDataModule):
+    """The train / val loaders every kempnerforge datamodule shares: :func:`resumable_loader` over this
+    process's data-parallel share (:func:`dp_rank_and_size`).
+
+    A subclass sets, in ``setup``: ``train_dataset``, ``val_dataset`` (None = no validation), and the ints
+    ``micro_batch_size``, ``data_seed``, ``num_workers``; optionally ``collate`` (a ``collate_fn``, None = the
+    default collation). The training loader is shuffled with ``data_seed`` and drops the last partial batch; the
+    validation loader keeps order (see :func:`resumable_loader`).
+    """
+
+    collate: Any = None
+
+    def dp_rank_and_size(self) -> tuple[int, int]:
+        """``(rank, num_replicas)`` of this process on the data-parallel axis; ``(0, 1)`` alone."""
+        return dp_rank_and_size(getattr(self, "trainer", None))
+
+    def _loader(self, dataset: Any, train: bool) -> StatefulDataLoader:
+        rank, dp = self.dp_rank_and_size()
+        return resumable_loader(
+            dataset, self.micro_batch_size, rank, dp, train, self.data_seed, self.num_workers, self.collate
+        )
+
+    @override
+    def train_dataloader(self) -> StatefulDataLoader:
+        """Shuffled, ``drop_last`` loader of this rank's ``micro_batch_size`` samples per step."""
+        self.setup("fit")
+        return self._loader(self.train_dataset, train=True)
+
+    @override
+    def val_dataloader(self) -> StatefulDataLoader | list:
+        """In-order loader over the held-out samples; ``[]`` (no validation) when there are none."""
+        self.setup("validate")
+        return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
+
+
+class TokenDataModule(ResumableLoaders):
     """Train/val data from memmap token shards (see :class:`MemmapTokenDataset`).
 
     Windows ``[0, n_train)`` train and the last ``n_val = ceil(val_fraction * n)`` windows validate.
@@ -167,10 +202,6 @@ class TokenDataModule(L.LightningDataModule):
             self.source, self.tokenizer, self.data_dir, text_field=self.text_field, overwrite=leftovers_only
         )
 
-    def dp_rank_and_size(self) -> tuple[int, int]:
-        """``(rank, num_replicas)`` of this process on the data-parallel axis; ``(0, 1)`` alone."""
-        return dp_rank_and_size(getattr(self, "trainer", None))
-
     @override
     def setup(self, stage: str | None = None) -> None:
         """Opens the shards and splits train/val windows; idempotent.
@@ -204,22 +235,6 @@ class TokenDataModule(L.LightningDataModule):
             )
         self.train_dataset = data.windows(0, n - n_val)
         self.val_dataset = data.windows(n - n_val, n) if n_val else None
-
-    def _loader(self, dataset: MemmapTokenDataset, train: bool) -> StatefulDataLoader:
-        rank, dp = self.dp_rank_and_size()
-        return resumable_loader(dataset, self.micro_batch_size, rank, dp, train, self.data_seed, self.num_workers)
-
-    @override
-    def train_dataloader(self) -> StatefulDataLoader:
-        """Shuffled, ``drop_last`` loader of ``{"input_ids", "labels"}``: (micro_batch_size, seq_len)."""
-        self.setup("fit")
-        return self._loader(self.train_dataset, train=True)
-
-    @override
-    def val_dataloader(self) -> StatefulDataLoader | list:
-        """In-order loader over the held-out windows; ``[]`` (no validation) when val_fraction is 0."""
-        self.setup("validate")
-        return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
 
 
 def resumable_loader(

@@ -11,16 +11,14 @@ import abc
 import math
 from typing import Any
 
-import lightning as L
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 from typing_extensions import override
 
-from kempnerforge.data.datamodule import TokenDataModule, resumable_loader
+from kempnerforge.data.datamodule import ResumableLoaders
 from kempnerforge.data.image_text import ImageTextCollator, ImageTextDataset
 
 
-class MediaTextDataModule(L.LightningDataModule, abc.ABC):
+class MediaTextDataModule(ResumableLoaders, abc.ABC):
     """Base of the (media, caption) datamodules: subclasses implement :meth:`open_dataset` and :meth:`make_collate`.
 
     The last ``ceil(val_fraction * n)`` records validate, the rest train. Each data-parallel rank
@@ -66,8 +64,6 @@ class MediaTextDataModule(L.LightningDataModule, abc.ABC):
         self.collate: ImageTextCollator | None = None
         self.train_dataset = self.val_dataset = None
 
-    dp_rank_and_size = TokenDataModule.dp_rank_and_size
-
     @abc.abstractmethod
     def open_dataset(self) -> Any:
         """The whole dataset (``len`` and ``__getitem__``), opened in :meth:`setup`."""
@@ -107,24 +103,6 @@ class MediaTextDataModule(L.LightningDataModule, abc.ABC):
             )
         self.train_dataset = self.split(data, 0, n - n_val)
         self.val_dataset = self.split(data, n - n_val, n) if n_val else None
-
-    def _loader(self, dataset, train: bool) -> StatefulDataLoader:
-        rank, dp = self.dp_rank_and_size()
-        return resumable_loader(
-            dataset, self.micro_batch_size, rank, dp, train, self.data_seed, self.num_workers, self.collate
-        )
-
-    @override
-    def train_dataloader(self) -> StatefulDataLoader:
-        """Shuffled ``drop_last`` loader of VLM batches (see the subclass's collate)."""
-        self.setup("fit")
-        return self._loader(self.train_dataset, train=True)
-
-    @override
-    def val_dataloader(self) -> StatefulDataLoader | list:
-        """In-order loader over the held-out records; ``[]`` when ``val_fraction`` is 0."""
-        self.setup("validate")
-        return [] if self.val_dataset is None else self._loader(self.val_dataset, train=False)
 
 
 class ImageTextDataModule(MediaTextDataModule):
