@@ -29,6 +29,11 @@ block-quantized checkpoints (``quantization_config``), an activation other than 
 ``num_key_value_heads != num_attention_heads``, RoPE types other than default / llama3 / yarn, ``rms_norm_eps`` other
 than 1e-6 (HF's latent norms hard-code 1e-6, ours use ``norm_eps``), no shared experts.
 
+Sharded load (``model.init_from``): :func:`hf_source` maps each parameter, and the correction-bias buffer
+(:data:`HF_BUFFERS`), to its tensor in a ``save_pretrained`` folder (per-expert keys on disk); the RoPE permutation
+travels as ``HFSource.rows``, so each rank reads its own rows plus at most the rest of one head's RoPE rows.
+:func:`check_hf_dir` (MTP layers) runs in the preflight.
+
 YaRN (DeepSeek-V3's long-context RoPE): ``rope_parameters`` map to ``ModelConfig.rope_scaling`` (tables over the
 ``qk_rope_head_dim`` channels, cos/sin times the ``mscale / mscale_all_dim`` attention factor) and the softmax scale
 is multiplied by ``yarn_get_mscale(factor, mscale_all_dim) ** 2`` (:func:`kempnerforge.model.mla.mla_softmax_scale`),
