@@ -5,7 +5,8 @@ Three steps, at three times:
 1. Configuration (``CausalLM.__init__``, before any process group): the model config is the folder's
    ``config.json`` through the family converters (:func:`~kempnerforge.checkpoint.convert.model_config_from_hf`);
    a ``--model.config.*`` value that changes the network is refused (:func:`merge_model_config`).
-2. Preflight (``kforge`` before rendezvous): the folder holds safetensors weights (:func:`check_init_from`).
+2. Preflight (``kforge`` before rendezvous): the folder holds safetensors weights and none the model would drop
+   (DeepSeek-V3's multi-token-prediction layers; :func:`check_init_from`).
 3. Weights (``Transformer.init_weights``, after TP / EP / FSDP2 sharding and ``to_empty``): each rank reads only the
    elements of each parameter it stores, through ``safetensors`` slices (:func:`load_hf_weights_`); the optimizer and
    LR schedule start fresh. This follows litgpt's ``--initial_checkpoint_dir`` / torchtitan's HF-checkpoint load,
