@@ -29,6 +29,11 @@ block-quantized checkpoints (``quantization_config``), an activation other than 
 ``num_key_value_heads != num_attention_heads``, RoPE types other than default / llama3 / yarn, ``rms_norm_eps`` other
 than 1e-6 (HF's latent norms hard-code 1e-6, ours use ``norm_eps``), no shared experts.
 
+Sharded load (``model.init_from``): :func:`hf_source` maps each parameter, and the correction-bias buffer
+(:data:`HF_BUFFERS`), to its tensor in a ``save_pretrained`` folder (per-expert keys on disk); the RoPE permutation
+travels as ``HFSource.rows``, so each rank reads its own rows plus at most the rest of one head's RoPE rows.
+:func:`check_hf_dir` (MTP layers) runs in the preflight.
+
 YaRN (DeepSeek-V3's long-context RoPE): ``rope_parameters`` map to ``ModelConfig.rope_scaling`` (tables over the
 ``qk_rope_head_dim`` channels, cos/sin times the ``mscale / mscale_all_dim`` attention factor) and the softmax scale
 is multiplied by ``yarn_get_mscale(factor, mscale_all_dim) ** 2`` (:func:`kempnerforge.model.mla.mla_softmax_scale`),
@@ -45,6 +50,7 @@ from pathlib import Path
 import torch
 
 from kempnerforge.checkpoint import hf_llama
+from kempnerforge.checkpoint.hf_source import HFSource
 from kempnerforge.config.model import ModelConfig
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -72,6 +78,9 @@ _BLOCK_INV = {hf: ours for ours, hf in _BLOCK.items()}
 _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+#: Buffers ``model.init_from`` reads from the folder (canonical FQN suffixes): the router's correction bias moves the
+#: routing, so it is loaded, not zeroed (:func:`kempnerforge.checkpoint.init_from.load_hf_weights_`).
+HF_BUFFERS = ("moe.router.expert_bias",)
 
 
 def check_deepseek_v3_compatible(cfg: ModelConfig) -> None:
@@ -261,6 +270,62 @@ def _permute_rope_rows(w: torch.Tensor, cfg: ModelConfig, key: str, inverse: boo
     if key == "attention.wkv_a.weight":
         return torch.cat([w[:-rope], w[-rope:][order]])
     return w
+
+
+def _rope_rows(cfg: ModelConfig, key: str) -> tuple[int, ...]:
+    """``HFSource.rows`` of our key ``key``: the HF row of each of our rows (:func:`_permute_rope_rows` on import),
+    a permutation inside each RoPE row group; empty (identity) for a key without RoPE rows."""
+    nope, rope, order = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, _rope_order(cfg.qk_rope_head_dim).tolist()
+    if key in ("attention.wq.weight", "attention.wq_b.weight"):
+        qk = nope + rope
+        return tuple(h * qk + r for h in range(cfg.n_heads) for r in (*range(nope), *(nope + o for o in order)))
+    if key == "attention.wkv_a.weight":
+        return (*range(cfg.kv_lora_rank), *(cfg.kv_lora_rank + o for o in order))
+    return ()
+
+
+def hf_source_options(hf_cfg) -> dict:
+    """The extra :func:`hf_source` arguments a folder's ``DeepseekV3Config`` sets: ``rope_interleave``."""
+    return {"rope_interleave": bool(getattr(hf_cfg, "rope_interleave", True))}
+
+
+def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str], rope_interleave: bool = True) -> HFSource:
+    """Where our parameter (or :data:`HF_BUFFERS` buffer) ``fqn`` lies in a ``save_pretrained`` DeepSeek-V3 folder.
+
+    - Attention: renames; with ``rope_interleave`` the RoPE output rows of ``wq`` / ``wq_b`` (each head's last
+      ``qk_rope_head_dim`` rows) and ``wkv_a`` (its last ``qk_rope_head_dim`` rows) carry the import permutation as
+      ``HFSource.rows``: a rank reads the rows it keeps plus at most the rest of a head's RoPE rows.
+    - Dense first layers (``n_dense_layers``), norms, embedding, head: the Llama renames.
+    - Router ``gate.weight`` and ``expert_bias`` (``e_score_correction_bias``, a buffer): renames.
+    - Routed experts: per-expert ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (what transformers 5
+      ``save_pretrained`` writes; a stack along our dim 0), or blocks of the packed ``gate_up_proj`` / ``down_proj``.
+    - Shared expert ``s`` of width h: rows ``[s * h, (s + 1) * h)`` of the fused ``shared_experts.gate_proj`` /
+      ``up_proj``, columns of ``down_proj``.
+
+    Raises:
+        KeyError: ``fqn`` has no DeepSeek-V3 name.
+    """
+    match = _OURS.match(fqn)
+    if match is None:
+        return hf_llama.hf_source(fqn, cfg, disk_keys)
+    layer, name = match.groups()
+    p, h = f"model.layers.{layer}", cfg.expert_hidden
+    if name in _BLOCK:
+        return HFSource((f"{p}.{_BLOCK[name]}",), rows=_rope_rows(cfg, name) if rope_interleave else ())
+    shared = re.fullmatch(r"moe\.shared_experts\.(\d+)\.(w[123])\.weight", name)
+    if shared is not None:
+        s, w = int(shared.group(1)), shared.group(2)
+        key = f"{p}.mlp.shared_experts.{_SHARED[w]}.weight"
+        return HFSource((key,), offset=(0, s * h) if w == "w2" else (s * h, 0))
+    routed = re.fullmatch(r"moe\.experts\.(w[123])", name)
+    if routed is None:
+        raise KeyError(f"{fqn!r} has no DeepseekV3ForCausalLM counterpart")
+    w = routed.group(1)
+    if f"{p}.mlp.experts.0.{_SHARED[w]}.weight" in disk_keys:
+        return HFSource(tuple(f"{p}.mlp.experts.{e}.{_SHARED[w]}.weight" for e in range(cfg.num_experts)), stacked=True)
+    if w == "w2":
+        return HFSource((f"{p}.mlp.experts.down_proj",))
+    return HFSource((f"{p}.mlp.experts.gate_up_proj",), offset=(0, h if w == "w3" else 0, 0))
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -43,6 +43,9 @@ FAMILY_API = (
 )
 # Optional: ``hf_source(fqn, cfg, disk_keys)``, where one parameter lies in a save_pretrained folder (model.init_from's
 # per-rank load reads only what each rank keeps; a family without it is refused there, kforge convert still works).
+# With it, optionally: ``hf_source_options(hf_config) -> dict`` (extra hf_source arguments from config.json),
+# ``HF_BUFFERS`` (canonical FQN suffixes of buffers read from the folder too) and ``check_hf_dir(dir, hf_config)``
+# (ValueError: the folder holds weights the model would drop).
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Where one of our parameters lies in a ``save_pretrained`` folder: the per-key form of the family mappings.
 
-Each family module (:mod:`~kempnerforge.checkpoint.hf_llama`, :mod:`~kempnerforge.checkpoint.hf_mixtral`,
-:mod:`~kempnerforge.checkpoint.hf_qwen2_moe`) maps a canonical FQN of ours to an :class:`HFSource` with
-``hf_source(fqn, cfg, disk_keys)``, from the same name tables its state-dict converters use. A sharded load
+Each family module of :mod:`~kempnerforge.checkpoint.hf_families` (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
+Qwen3-MoE, DeepSeek-V3) maps a canonical FQN of ours to an :class:`HFSource` with ``hf_source(fqn, cfg, disk_keys)``,
+from the same name tables its state-dict converters use. A sharded load
 (:func:`kempnerforge.checkpoint.init_from.load_hf_weights_`) then reads, per parameter, only the elements this
 rank stores (:meth:`kempnerforge.model.safetensors_shards.SafetensorsFolder.read_source_`).
 """
@@ -25,16 +25,22 @@ class HFSource:
       a Qwen2-MoE shared expert ``s`` of width h is rows ``[s * h, (s + 1) * h)`` of ``shared_expert.gate_proj``).
     - A stack: ``stacked=True``, one key per index of our dim 0 (per-expert keys ``experts.{e}.w1.weight``
       (hidden, dim) for our packed ``w1`` (E, hidden, dim)); ``offset`` then applies to the remaining dims.
+    - A row permutation of a rename or block: ``rows[i]`` is the block's dim-0 index of our row ``i`` (DeepSeek-V3's
+      interleaved RoPE rows, reordered evens-then-odds inside each head's ``qk_rope_head_dim`` rows). A sharded read
+      of our rows ``[a, b)`` reads the block rows ``[min(rows[a:b]), max(rows[a:b]) + 1)``: for a permutation inside
+      groups of g rows, at most the shard plus 2 g rows.
 
     Args:
         keys: HF tensor keys (one unless ``stacked``).
         offset: start of our block per HF dim (empty: all zeros).
         stacked: ``keys[e]`` is our ``[e]`` slice.
+        rows: a permutation of ``range(block dim 0)`` (empty: identity); not with ``stacked``.
     """
 
     keys: tuple[str, ...]
     offset: tuple[int, ...] = ()
     stacked: bool = False
+    rows: tuple[int, ...] = ()
 
     @property
     def key(self) -> str:
@@ -55,4 +61,5 @@ def gather_source(sd: Mapping[str, torch.Tensor], source: HFSource, shape: tuple
         block = tuple(slice(o, o + n) for o, n in zip(offset, shape[1:], strict=True))
         return torch.stack([sd[key][block] for key in source.keys])
     offset = source.offset or (0,) * len(shape)
-    return sd[source.key][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    block = sd[source.key][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    return block[list(source.rows)] if source.rows else block

@@ -5,7 +5,8 @@ Three steps, at three times:
 1. Configuration (``CausalLM.__init__``, before any process group): the model config is the folder's
    ``config.json`` through the family converters (:func:`~kempnerforge.checkpoint.convert.model_config_from_hf`);
    a ``--model.config.*`` value that changes the network is refused (:func:`merge_model_config`).
-2. Preflight (``kforge`` before rendezvous): the folder holds safetensors weights (:func:`check_init_from`).
+2. Preflight (``kforge`` before rendezvous): the folder holds safetensors weights and none the model would drop
+   (DeepSeek-V3's multi-token-prediction layers; :func:`check_init_from`).
 3. Weights (``Transformer.init_weights``, after TP / EP / FSDP2 sharding and ``to_empty``): each rank reads only the
    elements of each parameter it stores, through ``safetensors`` slices (:func:`load_hf_weights_`); the optimizer and
    LR schedule start fresh. This follows litgpt's ``--initial_checkpoint_dir`` / torchtitan's HF-checkpoint load,
@@ -111,9 +112,11 @@ def resolve_model_config(path: str | Path, given: ModelConfig) -> ModelConfig:
     """:func:`model_config_from_folder` merged with the user's ``given`` config (:func:`merge_model_config`).
 
     Raises:
-        UserError: see both; also a family whose converter has no per-key mapping (``hf_source``) to load from.
+        UserError: see both and :func:`check_folder_weights`; also a family whose converter has no per-key mapping
+            (``hf_source``) to load from.
     """
     cfg = merge_model_config(model_config_from_folder(path), given, path)
+    check_folder_weights(path, read_hf_config(path))
     try:
         family = hf_family_of(cfg)
     except ValueError as err:
@@ -128,11 +131,13 @@ def resolve_model_config(path: str | Path, given: ModelConfig) -> ModelConfig:
 
 
 def check_init_from(path: str | Path) -> None:
-    """The folder ``path`` can be loaded: ``config.json`` and safetensors weights (no file is opened).
+    """The folder ``path`` can be loaded: ``config.json``, safetensors weights, and the family's own folder check
+    (:func:`check_folder_weights`; only safetensors headers are read).
 
     Raises:
         PathError: not a directory, no ``config.json``, or no ``*.safetensors`` files (a ``pytorch_model.bin``
             folder: re-save it with ``save_pretrained``, whose default is safetensors).
+        UserError: see :func:`read_hf_config` and :func:`check_folder_weights`.
     """
     folder = _folder(path)
     if not any(folder.glob("*.safetensors")):
@@ -142,6 +147,27 @@ def check_init_from(path: str | Path) -> None:
             f"{path} has no .safetensors weights (it holds {held}); re-save it with transformers' save_pretrained "
             "(safetensors is its default format)",
         )
+    check_folder_weights(path, read_hf_config(path))
+
+
+def check_folder_weights(path: str | Path, hf_config) -> None:
+    """The family's own check of the folder's weights, when it has one (``check_hf_dir``: DeepSeek-V3 refuses
+    multi-token-prediction layers, which the model would drop). Reads the safetensors index or file headers only.
+
+    Raises:
+        UserError: the family's refusal, under ``model.init_from``, on one line.
+    """
+    from kempnerforge.checkpoint.hf_families import family_for_hf_config
+
+    try:
+        family = family_for_hf_config(hf_config).module
+    except ValueError:
+        return  # an unsupported architecture is refused, with its message, by model_config_from_folder
+    if hasattr(family, "check_hf_dir"):
+        try:
+            family.check_hf_dir(path, hf_config)
+        except ValueError as err:
+            raise UserError(FIELD, str(err).replace("\n", " ")) from err
 
 
 #: Files any ``transformers`` tokenizer folder holds at least one of (fast, sentencepiece, BPE vocabularies).
@@ -186,7 +212,7 @@ def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> se
         cfg: its model config.
 
     Returns:
-        The ``id`` of every parameter filled (all of them).
+        The ``id`` of every parameter (all of them) and buffer filled.
 
     Raises:
         FileNotFoundError: no safetensors files.
@@ -199,15 +225,17 @@ def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> se
     from kempnerforge.model.safetensors_shards import SafetensorsFolder
 
     family = hf_family_of(cfg)
+    options = family.hf_source_options(read_hf_config(path)) if hasattr(family, "hf_source_options") else {}
+    buffers = [(n, b) for n, b in model.named_buffers() if canonical_fqn(n).endswith(getattr(family, "HF_BUFFERS", ()))]
     done: set[int] = set()
     used: set[str] = set()
     with SafetensorsFolder(path) as folder:
         disk = folder.keys()
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *buffers]:
             fqn = canonical_fqn(name)
             if fqn == "output.weight" and cfg.tie_embeddings:  # a pipeline's last stage: its own copy of the tie
                 fqn = "tok_embeddings.weight"
-            source = family.hf_source(fqn, cfg, disk)
+            source = family.hf_source(fqn, cfg, disk, **options)
             folder.read_source_(param, source)
             used.update(source.keys)
             done.add(id(param))

@@ -43,7 +43,7 @@ def init_decoder_(
 
     ``model`` must hold ``rope_cos`` / ``rope_sin`` buffers (max_seq_len, head_dim // 2); the tables (replicated
     buffers, O(max_seq_len * head_dim)) are computed on CPU in fp32 and copied (bitwise the same on every device). MoE routers' selection bias (``expert_bias``) is
-    zeroed, and so are Linear biases (q/k/v with ``attention_bias``). A tied head is initialized once, under the embedding's FQN (modules are visited in registration order).
+    zeroed (unless in ``done``), and so are Linear biases (q/k/v with ``attention_bias``). A tied head is initialized once, under the embedding's FQN (modules are visited in registration order).
 
     Args:
         model: the decoder (plain tensors or DTensors; each rank writes its own shard).
@@ -62,7 +62,7 @@ def init_decoder_(
     std, residual_std = config.init_std, config.init_std / math.sqrt(2 * config.n_layers)
     done = set() if done is None else done
     for name, module in model.named_modules():
-        if isinstance(module, MoE):
+        if isinstance(module, MoE) and id(module.router.expert_bias) not in done:  # not one read from a folder
             module.router.expert_bias.zero_()
         if isinstance(module, GroupedExperts):
             weights = {p: getattr(module, p) for p in ("w1", "w2", "w3")}

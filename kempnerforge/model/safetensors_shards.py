@@ -94,18 +94,22 @@ class SafetensorsFolder:
         or a stack of them along dim 0 (:class:`~kempnerforge.checkpoint.hf_source.HFSource`), cast to its dtype.
 
         Reads only the elements this rank stores: per run of its global indices one slice of the folder tensor
-        (of each stacked key whose index this rank keeps: an expert-parallel rank opens only its own experts). Host
+        (of each stacked key whose index this rank keeps: an expert-parallel rank opens only its own experts); with
+        a row permutation (``source.rows``) the slice spans the rows the run's rows come from (their bounding range). Host
         memory beyond the shard itself: one slice buffer and the file pages of one tensor's slices at a time.
 
         Raises:
             KeyError: a key of ``source`` is not in the folder (names it).
-            ValueError: the folder tensor cannot hold the block (names the key, both shapes and the offset).
+            ValueError: the folder tensor cannot hold the block (names the key, both shapes and the offset), or
+                ``source.rows`` is not a permutation of dim 0.
         """
         local = local_part(tensor)
         rest = tuple(tensor.shape[1:]) if source.stacked else tuple(tensor.shape)
         offset = source.offset or (0,) * len(rest)
         if source.stacked and len(source.keys) != tensor.shape[0]:
             raise ValueError(f"{self.path}: {len(source.keys)} stacked keys for dim 0 of size {tensor.shape[0]}")
+        if source.rows and (source.stacked or sorted(source.rows) != list(range(tensor.shape[0]))):
+            raise ValueError(f"{self.path}: rows of {source.key!r} are not a permutation of dim 0 ({tensor.shape[0]})")
         missing = [key for key in source.keys if key not in self._where]
         if missing:
             raise KeyError(f"{self.path} has no tensor {missing[0]!r}")
@@ -135,6 +139,12 @@ class SafetensorsFolder:
             dst = tuple(slice(lo, lo + n) for lo, _, n in block)
             if not source.stacked:
                 src = tuple(slice(g + o, g + o + n) for (_, g, n), o in zip(block, offset, strict=True))
+                if source.rows:  # our rows [g, g + n) are the block rows rows[g: g + n]: read their bounding range
+                    want = torch.tensor(source.rows[block[0][1] : block[0][1] + block[0][2]])
+                    lo, hi = int(want.min()), int(want.max()) + 1
+                    src = (slice(lo + offset[0], hi + offset[0]), *src[1:])
+                    local[dst].copy_(block_of(source.key)[src][want - lo])
+                    continue
                 local[dst].copy_(block_of(source.key)[src])
                 continue
             (lo0, g0, n0), tail = block[0], block[1:]

@@ -7,7 +7,9 @@
 - ``loss``: ``Trainer.fit`` for one step with ``KempnerStrategy(dp_shard=2)`` and ``CausalLM(init_from=small)`` on a
   fixed global batch of 4 sequences; rank 0 records the logged first-step ``train/loss`` and the global batch.
 - ``layouts``: the small Llama under tp=2 (GQA, untied), the Mixtral folder under ep=2 and the Qwen2-MoE folder under
-  FSDP2 dp_shard=2 (experts ``Shard(0)``): every parameter's full tensor against the unsharded load of the same folder.
+  FSDP2 dp_shard=2 (experts ``Shard(0)``), the tiny DeepSeek-V3 under each of the three (MLA heads split, experts
+  split, FSDP2 rows cut inside ``wkv_a``'s RoPE rows): every parameter's full tensor and every router correction bias
+  against the unsharded load of the same folder.
 
 Rank 0 writes the records as JSON to ``--out``.
 """
@@ -97,10 +99,22 @@ def first_step_loss(folder: str, seq: torch.Tensor) -> float:
     return recorder.loss
 
 
+def _tensors(model) -> dict[str, torch.Tensor]:
+    """Parameters and router correction biases by canonical name (wrappers stripped)."""
+    named = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith("expert_bias"))]
+    clean = {"_fsdp_wrapped_module.": "", "_checkpoint_wrapped_module.": ""}
+    out = {}
+    for name, t in named:
+        for a, b in clean.items():
+            name = name.replace(a, b)
+        out[name] = t
+    return out
+
+
 def _plain(folder: str) -> dict[str, torch.Tensor]:
     model = Transformer(model_config_from_folder(folder), init_from=folder)
     model.init_weights(seed=0)
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return {n: p.detach() for n, p in _tensors(model).items()}
 
 
 def layouts(folders: dict[str, str], mesh) -> dict:
@@ -110,9 +124,9 @@ def layouts(folders: dict[str, str], mesh) -> dict:
         cfg = model_config_from_folder(folder)
         with torch.device("meta"):
             model = Transformer(cfg, init_from=folder)
-        if layout == "tp2":
+        if layout.endswith("tp2"):
             apply_tp(model, mesh, sequence_parallel=False, loss_parallel=True)
-        elif layout == "ep2":
+        elif layout.endswith("ep2"):
             apply_ep(model, mesh)
         else:
             apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -121,10 +135,11 @@ def layouts(folders: dict[str, str], mesh) -> dict:
         model.init_weights(seed=0)
         want = _plain(folder)
         diff, sharded = 0.0, 0
-        for name, param in model.named_parameters():
+        got = _tensors(model)
+        assert got.keys() == want.keys(), (layout, sorted(got.keys() ^ want.keys()))
+        for key, param in got.items():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
             sharded += int(hasattr(param, "full_tensor"))
-            key = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
             diff = max(diff, (full.detach() - want[key]).abs().max().item())
         out[layout] = {"max_abs_diff": diff, "params": len(want), "sharded_params": sharded}
     return out
@@ -136,13 +151,18 @@ def main() -> None:
     p.add_argument("--small", required=True)
     p.add_argument("--mixtral", required=True)
     p.add_argument("--qwen2-moe", required=True)
+    p.add_argument("--deepseek-v3", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     record = {"memory": memory(args.big, mesh)}
-    record["layouts"] = layouts({"tp2": args.small, "ep2": args.mixtral, "fsdp2": args.qwen2_moe}, mesh)
+    ds = args.deepseek_v3
+    record["layouts"] = layouts(
+        {"tp2": args.small, "ep2": args.mixtral, "fsdp2": args.qwen2_moe, "ds_tp2": ds, "ds_ep2": ds, "ds_fsdp2": ds},
+        mesh,
+    )
     gen = torch.Generator().manual_seed(0)
     seq = torch.randint(0, model_config_from_folder(args.small).vocab_size, (4, 17), generator=gen)
     record["loss"] = {"kforge": first_step_loss(args.small, seq), "tokens": seq.tolist()}

@@ -6,7 +6,8 @@
 - The first-step ``train/loss`` of ``Trainer.fit`` with ``KempnerStrategy(dp_shard=2)`` and ``CausalLM(init_from=...)``
   equals ``transformers``' loss of ``from_pretrained`` on the same global batch (1e-5).
 - tp=2 (Llama), ep=2 (Mixtral, per-expert keys) and FSDP2 (Qwen2-MoE, shared experts as row blocks) loads equal the
-  unsharded load bitwise.
+  unsharded load bitwise; so do tp=2, ep=2 and FSDP2 loads of a tiny DeepSeek-V3 (interleaved RoPE rows permuted
+  per rank, ``kv_lora_rank=4`` so FSDP2 cuts ``wkv_a`` inside its RoPE rows; fused shared expert; correction bias).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import pytest
 import torch
 
+from tests.deepseek_tiny import save_tiny_deepseek_v3
 from tests.distributed.launch import HERE, launch
 from tests.hf_folders import save_random, write_random_llama
 
@@ -58,6 +60,7 @@ def _folders(tmp_path) -> dict:
             ),  # fmt: skip
             tmp_path / "qwen2_moe",
         ),
+        "deepseek_v3": save_tiny_deepseek_v3(tmp_path / "deepseek_v3", kv_lora_rank=4),
     }
 
 
@@ -74,7 +77,8 @@ def test_init_from_on_two_ranks(tmp_path):
     folders = _folders(tmp_path)
     out = tmp_path / "record.json"
     args = ["--big", folders["big"], "--small", folders["small"], "--mixtral", folders["mixtral"]]
-    launch(2, SCRIPT, [*map(str, args), "--qwen2-moe", str(folders["qwen2_moe"]), "--out", str(out)], timeout=400)
+    args += ["--qwen2-moe", folders["qwen2_moe"], "--deepseek-v3", folders["deepseek_v3"], "--out", out]
+    launch(2, SCRIPT, list(map(str, args)), timeout=400)
     record = json.loads(out.read_text())
 
     mem = record["memory"]
@@ -86,6 +90,7 @@ def test_init_from_on_two_ranks(tmp_path):
         # tensors, or keeping every mapped page, would be at least one model's size.
         peak = mem["materialize_bytes"][rank] + mem["load_bytes"][rank]
         assert mem["shard_bytes"][rank] <= peak < 0.6 * mem["model_bytes"], (rank, mem)
+    assert {"ds_tp2", "ds_ep2", "ds_fsdp2"} <= record["layouts"].keys()
     for layout, rec in record["layouts"].items():
         assert rec["max_abs_diff"] == 0.0 and rec["sharded_params"] > 0, (layout, rec)
     want = _hf_loss(folders["small"], record["loss"]["tokens"])

@@ -125,22 +125,36 @@ def test_vlm_7b_siglip2_fits_without_encoder_weights(tmp_path):
 
 
 def llama31_8b_config(folder: Path) -> Path:
-    """A config.json-only HF folder with Llama-3.1-8B's shapes (the estimate needs no weights). Its ``rope_scaling``
-    (``llama3``) is left out until the Llama-3.1 converter lands: it changes RoPE's frequencies, not any shape."""
+    """A config.json-only HF folder as Llama-3.1-8B's (the estimate needs no weights), ``llama3`` RoPE scaling
+    included (it changes RoPE's frequencies, not any shape)."""
     folder.mkdir(parents=True)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
               "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-              "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
+              "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
-def test_finetune_llama_fits_on_8_gpus_from_the_folders_config(tmp_path):
+def test_finetune_llama_fits_on_8_gpus_from_the_folders_config(tmp_path, monkeypatch):
+    from kempnerforge.estimate import step
+
+    seen, real = [], step.synthetic_batch
+
+    def spy(module, datamodule, device):
+        batch = real(module, datamodule, device)
+        seen.append((type(datamodule).__name__, sorted(batch)))
+        return batch
+
+    monkeypatch.setattr(step, "synthetic_batch", spy)
     folder = llama31_8b_config(tmp_path / "Llama-3.1-8B")
     data = _estimate("finetune_llama", 1, 8, f"--model.init_from={folder}")
     _assert_fits_and_sharded(data, 8)
     assert data["model_params"] == 8_030_261_248  # Llama-3.1-8B, from config.json alone
+    # The recipe's chat data, packed: its rows carry doc_ids, so the document-masked attention is what is estimated.
+    assert seen and all(s == ("ChatDataModule", ["doc_ids", "input_ids", "labels"]) for s in seen), seen
 
 
 def test_llama3_8b_on_one_gpu_does_not_fit_and_the_suggestion_does():

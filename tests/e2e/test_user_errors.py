@@ -91,8 +91,19 @@ def bad_files(tmp_path) -> dict[str, Path]:
     hf_gpt2 = tmp_path / "hf_gpt2"
     hf_gpt2.mkdir()
     (hf_gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    hf_mtp = tmp_path / "hf_mtp"  # DeepSeek-V3 with a multi-token-prediction layer on disk (only its header is read)
+    hf_mtp.mkdir()
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3Config
+
+    from tests.deepseek_tiny import HF_KW
+
+    DeepseekV3Config(**HF_KW, architectures=["DeepseekV3ForCausalLM"]).save_pretrained(hf_mtp)
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(2, 2)}, str(hf_mtp / "model.safetensors"))
+    (hf_mtp / "tokenizer.json").write_text("{}")
     return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good, "tokens": tokens,
-            "hf_config_only": hf_config_only, "hf_gpt2": hf_gpt2, "hf_no_tokenizer": hf_no_tokenizer}  # fmt: skip
+            "hf_config_only": hf_config_only, "hf_gpt2": hf_gpt2, "hf_no_tokenizer": hf_no_tokenizer,
+            "hf_mtp": hf_mtp}  # fmt: skip
 
 
 # (recipe, extra arguments, substrings the one line must hold: the field, and the file or value)
@@ -152,7 +163,7 @@ CASES = {
     "init_from_arch": (
         "finetune_debug",
         ["--model.init_from={hf_gpt2}"],
-        ["model.init_from:", "GPT2LMHeadModel", "allowed: 'llama'"],
+        ["model.init_from:", "GPT2LMHeadModel", "allowed: 'deepseek_v3', 'llama'"],
     ),  # fmt: skip
     "init_from_no_weights": (
         "finetune_debug",
@@ -163,6 +174,11 @@ CASES = {
         "finetune_debug",
         ["--model.init_from={hf_no_tokenizer}", "--data.data_dir={empty}/tokens"],
         ["data.tokenizer:", "hf_no_tokenizer (model.init_from) holds no tokenizer files"],
+    ),  # fmt: skip
+    "init_from_mtp": (
+        "finetune_debug",
+        ["--model.init_from={hf_mtp}"],
+        ["model.init_from:", "num_nextn_predict_layers", "multi-token-prediction layers [3]"],
     ),  # fmt: skip
     "init_from_conflict": (
         "finetune_debug",

@@ -1,7 +1,9 @@
 """Issue 20 (fine-tuning): ``model.init_from`` in one process, against ``transformers``.
 
 - ``CausalLM(init_from=folder)`` gives the HF model's logits for Llama (tied, bf16 files), Mixtral (the per-expert keys
-  ``save_pretrained`` writes, and the packed in-memory layout) and Qwen2-MoE (per-expert routed and shared experts).
+  ``save_pretrained`` writes, and the packed in-memory layout), Qwen2-MoE (per-expert routed and shared experts) and
+  DeepSeek-V3 (MLA with interleaved RoPE rows or not, dense first layer, fused shared expert, the router's correction
+  bias: a buffer, read and not zeroed); a DeepSeek-V3 folder with multi-token-prediction layers is refused up front.
 - The config rules: a conflicting ``model.config`` field is refused naming it; training-only fields and a shorter
   ``max_seq_len`` are kept.
 - A folder tensor of the wrong shape, a missing one, or one no parameter reads is an error, never skipped.
@@ -55,9 +57,10 @@ CASES = {
 }
 
 
-def _logits_diff(folder, hf_model) -> float:
-    module = CausalLM(init_from=str(folder))
-    module.configure_model()
+def _logits_diff(folder, hf_model, module=None) -> float:
+    if module is None:
+        module = CausalLM(init_from=str(folder))
+        module.configure_model()
     ids = torch.randint(0, SMALL["vocab_size"], (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         return (module(ids) - hf_model(ids).logits).abs().max().item()
@@ -89,6 +92,36 @@ def test_mixtral_in_the_packed_layout(tmp_path):
     (folder / "config.json").write_text(json.dumps(config.to_dict()))
     save_file({k: v.contiguous() for k, v in hf_model.state_dict().items()}, str(folder / "model.safetensors"))
     assert _logits_diff(folder, hf_model) < 1e-5
+
+
+@pytest.mark.parametrize("rope_interleave", [True, False])
+def test_deepseek_v3_gives_the_hf_models_logits(rope_interleave, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tests.deepseek_tiny import save_tiny_deepseek_v3
+
+    folder = save_tiny_deepseek_v3(tmp_path / "dsv3", rope_interleave=rope_interleave)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    module = CausalLM(init_from=str(folder))
+    module.configure_model()
+    bias = hf_model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.abs().min() > 0 and torch.equal(module.model.layers["1"].moe.router.expert_bias, bias)
+    assert _logits_diff(folder, hf_model, module) < 1e-5
+
+
+def test_deepseek_v3_mtp_layers_are_refused_before_loading(tmp_path):
+    from safetensors.torch import load_file
+
+    from kempnerforge.checkpoint.init_from import check_init_from
+    from tests.deepseek_tiny import save_tiny_deepseek_v3
+
+    folder = save_tiny_deepseek_v3(tmp_path / "dsv3")
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)}, str(folder / "model.safetensors"))
+    for check in (check_init_from, lambda f: resolve_model_config(f, ModelConfig())):
+        with pytest.raises(UserError, match=r"num_nextn_predict_layers.*multi-token-prediction layers \[3\]") as err:
+            check(folder)
+        assert err.value.field == "model.init_from" and "\n" not in str(err.value)
 
 
 @pytest.fixture
@@ -164,12 +197,19 @@ FAMILY_CONFIGS = {
     "mixtral": _moe(),
     "qwen2_moe": _moe(n_shared_experts=2, shared_expert_gate=True, moe_frequency=2),
 }
+_MLA = dict(attention="mla", kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, norm_eps=1e-6)
+FAMILY_CONFIGS |= {
+    "deepseek_v3": _moe(n_kv_heads=None, **_MLA, q_lora_rank=8, n_layers=3, n_dense_layers=1, n_shared_experts=2,
+                        router="sigmoid", num_expert_groups=2, num_limited_groups=1, expert_width_multiplier=0.5),
+    "deepseek_v3_no_q_lora": _moe(n_kv_heads=None, **_MLA, n_shared_experts=1, router="sigmoid"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
 def test_per_key_sources_agree_with_the_state_dict_converters(name):
     """One source of truth: every parameter's ``hf_source``, gathered from the family's ``to_hf_state_dict`` output
-    (transformers 5's in-memory layout), is the parameter itself, and every HF tensor is read by some parameter."""
+    (transformers 5's in-memory layout), is the parameter itself, and every HF tensor is read by some parameter (or
+    by a buffer the family loads: ``HF_BUFFERS``)."""
     from kempnerforge.checkpoint.convert import hf_family
     from kempnerforge.checkpoint.hf_source import gather_source
 
@@ -177,9 +217,13 @@ def test_per_key_sources_agree_with_the_state_dict_converters(name):
     model = Transformer(cfg)
     model.init_weights(seed=1)
     family = hf_family(cfg)
+    suffixes = getattr(family, "HF_BUFFERS", ())
+    buffers = [(n, b) for n, b in model.named_buffers() if n.endswith(suffixes)]
+    for _, b in buffers:  # a loaded buffer (DeepSeek-V3's correction bias): nonzero, so a wrong source shows
+        b.copy_(torch.randn(b.shape))
     hf_sd = family.to_hf_state_dict(model.state_dict(), cfg)
     used = set()
-    for fqn, param in model.named_parameters():
+    for fqn, param in [*model.named_parameters(), *buffers]:
         source = family.hf_source(fqn, cfg, set(hf_sd))
         assert torch.equal(gather_source(hf_sd, source, tuple(param.shape)), param), fqn
         used.update(source.keys)
