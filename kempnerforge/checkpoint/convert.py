@@ -31,7 +31,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from kempnerforge.checkpoint import hf_deepseek_v3
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
 from kempnerforge.checkpoint.hf_families import family_for_config, family_for_hf_config
 from kempnerforge.checkpoint.load import build_model, load_checkpoint_model
@@ -183,10 +182,11 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     family = family_for_hf_config(hf_config).module
     cfg = family.from_hf_config(hf_config)
-    extra = {}
-    if family is hf_deepseek_v3:  # weights from_pretrained would skip (MTP layers); the RoPE row layout
-        hf_deepseek_v3.check_hf_dir(hf_dir, hf_config)
-        extra["rope_interleave"] = bool(getattr(hf_config, "rope_interleave", True))
+    # The optional family hooks init_from uses too: weights from_pretrained would skip (DeepSeek-V3's MTP layers),
+    # and options the folder's config sets for the mapping (DeepSeek-V3's RoPE row layout).
+    if hasattr(family, "check_hf_dir"):
+        family.check_hf_dir(hf_dir, hf_config)
+    extra = family.hf_source_options(hf_config) if hasattr(family, "hf_source_options") else {}
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
     sd = family.from_hf_state_dict(hf_model.state_dict(), cfg, **extra)
     model = build_model(cfg)

@@ -145,7 +145,9 @@ def test_kforge_generate_cli_equals_transformers(tmp_path, gpt2_tokenizer_dir, c
 def test_import_refuses_what_the_model_cannot_represent(family, over, match):
     with pytest.raises(ValueError, match=match):
         model_config_from_hf(hf_config(family, **over))
-    with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported; allowed: 'deepseek_v3', 'llama', .*'qwen3_moe'"):
+    with pytest.raises(
+        ValueError, match=r"model_type='gpt2' is not supported; allowed: 'deepseek_v3', 'llama', .*'qwen3_moe'"
+    ):
         model_config_from_hf(transformers.GPT2Config())
 
 
