@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from safetensors.torch import save_file
 
 from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
 from kempnerforge.checkpoint.disk import format_bytes
@@ -88,11 +89,18 @@ def bad_files(tmp_path) -> dict[str, Path]:
     hf_no_tokenizer.mkdir()
     (hf_no_tokenizer / "config.json").write_text(json.dumps(llama))
     (hf_no_tokenizer / "model.safetensors").write_bytes(b"")
+    hf_truncated = tmp_path / "hf_truncated"  # tokenizer present, weights cut short: found by preflight on rank 0
+    hf_truncated.mkdir()
+    (hf_truncated / "config.json").write_text(json.dumps(llama))
+    (hf_truncated / "tokenizer_config.json").write_text("{}")
+    save_file({"model.norm.weight": torch.ones(64)}, str(hf_truncated / "model.safetensors"))
+    (hf_truncated / "model.safetensors").write_bytes((hf_truncated / "model.safetensors").read_bytes()[:-8])
     hf_gpt2 = tmp_path / "hf_gpt2"
     hf_gpt2.mkdir()
     (hf_gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good, "tokens": tokens,
-            "hf_config_only": hf_config_only, "hf_gpt2": hf_gpt2, "hf_no_tokenizer": hf_no_tokenizer}  # fmt: skip
+            "hf_config_only": hf_config_only, "hf_gpt2": hf_gpt2, "hf_no_tokenizer": hf_no_tokenizer,
+            "hf_truncated": hf_truncated}  # fmt: skip
 
 
 # (recipe, extra arguments, substrings the one line must hold: the field, and the file or value)
@@ -152,7 +160,7 @@ CASES = {
     "init_from_arch": (
         "finetune_debug",
         ["--model.init_from={hf_gpt2}"],
-        ["model.init_from:", "GPT2LMHeadModel", "allowed: 'llama'"],
+        ["model.init_from:", "GPT2LMHeadModel", "allowed: 'deepseek_v3', 'llama'"],
     ),  # fmt: skip
     "init_from_no_weights": (
         "finetune_debug",
@@ -163,6 +171,11 @@ CASES = {
         "finetune_debug",
         ["--model.init_from={hf_no_tokenizer}", "--data.data_dir={empty}/tokens"],
         ["data.tokenizer:", "hf_no_tokenizer (model.init_from) holds no tokenizer files"],
+    ),  # fmt: skip
+    "init_from_truncated_weights": (
+        "finetune_debug",
+        ["--model.init_from={hf_truncated}", "--data.data_dir={empty}/tokens"],
+        ["model.init_from:", "hf_truncated: the safetensors weights cannot be opened", "not fully covered"],
     ),  # fmt: skip
     "init_from_conflict": (
         "finetune_debug",
