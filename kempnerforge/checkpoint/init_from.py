@@ -54,8 +54,11 @@ def read_hf_config(path: str | Path):
     folder = _folder(path)
     from transformers import AutoConfig  # local import: transformers is slow to import
 
+    from kempnerforge.checkpoint.convert import quiet_transformers
+
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
+        with quiet_transformers():
+            return AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(FIELD, f"{path}/config.json cannot be read by transformers: {first}") from err
