@@ -342,6 +342,33 @@ def uses_class_paths(args: list[str], section: str = "model") -> bool:
     return False
 
 
+def check_data_blocks(args: list[str]) -> None:
+    """With a data module named by ``class_path``, no ``--config`` file before the one that names it may hold a
+    plain ``data:`` block (the ``TokenDataModule`` arguments of a text recipe such as
+    ``configs/finetune_debug.yaml``): jsonargparse cannot tell which class it belongs to, and merging it into the
+    named module would carry over fields it never meant (a text ``data.source`` read as chat records). A plain
+    block after it (``data: {seq_len: 256}`` overriding a chat recipe) sets that module's arguments, as usual.
+
+    Raises:
+        UserError: ``--config``, naming the file with the plain block and the one that names the class.
+    """
+    plain, named = None, None
+    for path in _config_paths(args):
+        with open(path) as f:
+            data = (yaml.safe_load(f) or {}).get("data")
+        if isinstance(data, dict) and "class_path" in data:
+            named = named or f"{path} ({data['class_path']})"
+        elif isinstance(data, dict) and named is None:
+            plain = plain or path
+    if plain is not None:
+        by = named or "--data.class_path"
+        raise UserError(
+            "--config",
+            f"{plain} has a plain data: block (TokenDataModule arguments) and {by} names another data module; "
+            f"allowed: one data: block per run: copy {plain} and replace its data: block",
+        )
+
+
 def cli_classes(args: list[str]) -> dict[str, Any]:
     """LightningCLI class arguments for ``args``: ``CausalLM`` + ``TokenDataModule`` for plain recipes,
     or subclass mode (any ``CausalLM`` subclass such as ``VisionLanguage``, any LightningDataModule,
@@ -355,6 +382,7 @@ def cli_classes(args: list[str]) -> dict[str, Any]:
             "subclass_mode_data": True,
         }
     if uses_class_paths(args, "data"):  # a plain CausalLM with another data module (chat data, mixtures)
+        check_data_blocks(args)
         return {"model_class": CausalLM, "datamodule_class": LightningDataModule, "subclass_mode_data": True}
     return {"model_class": CausalLM, "datamodule_class": TokenDataModule}
 

@@ -125,6 +125,10 @@ def _argparse_line(message: str) -> tuple[str, str]:
     if unknown:
         option = unknown.group(1).split("=", 1)[0]
         return option, f"unknown option {text.split(': ', 1)[1]!s} (kforge <command> --help lists every option)"
+    extra = re.match(r"Subcommand '(\w[\w-]*)' does not accept option '([^']+)'", text)
+    if extra:  # a key of a --config file (or a nested option) that is no field: name the key, not "arguments"
+        command, key = extra.groups()
+        return key, f"not a field of kforge {command} (in a --config file?); kforge {command} --help lists every field"
     return "arguments", text
 
 

@@ -9,6 +9,8 @@ configs, the files and the world size the cluster environment already knows (:fu
   ``pretrained_path``, an explicit ``ckpt_path`` (and, on global rank 0, its files:
   :func:`~kempnerforge.checkpoint.verify.verify_checkpoint`);
 - the data's records, where the data module has a ``check_source`` (chat jsonl: every line, on global rank 0);
+- ``model.init_from``'s safetensors headers against the model's parameters (global rank 0:
+  :func:`~kempnerforge.checkpoint.init_from.check_hf_weights`);
 - the mesh: degrees against the world size, the model's and the data's parallel rules
   (:meth:`KempnerStrategy.check_layout`), the data's lengths against the model (``check_data``);
 - the checkpoint folder (``fit``, global rank 0): writable, with room for one checkpoint of the estimated
@@ -275,6 +277,11 @@ def preflight(
     check_source = getattr(datamodule, "check_source", None)
     if callable(check_source) and world.rank == 0:  # reads the whole source once: one rank does it
         check_source()
+    init_from = getattr(module, "init_from", None)
+    if init_from is not None and world.rank == 0:  # every file header and tensor shape: one rank reads them
+        from kempnerforge.checkpoint.init_from import check_hf_weights
+
+        check_hf_weights(init_from, module.config)
     check_ckpt_path(strategy, ckpt_path, world)
     check_layout(trainer, module, datamodule, world)
     if subcommand == "fit" and world.rank == 0:

@@ -22,6 +22,7 @@ weight is never dropped silently.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -174,12 +175,14 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
         The checkpoint directory.
 
     Raises:
-        ValueError: an unsupported model (:func:`model_config_from_hf`).
+        ValueError: not a folder with a readable ``config.json``; an unsupported model (:func:`model_config_from_hf`);
+            weights transformers cannot load (a missing or truncated shard, wrong shapes), or that miss a tensor of
+            the config or hold one it does not read (``from_pretrained`` would invent or drop it).
         KeyError: HF weights with no counterpart in our model, or missing weights.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM  # local import: transformers is slow to import
+    from transformers import AutoModelForCausalLM  # local import: transformers is slow to import
 
-    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    hf_config = _read_hf_config(hf_dir)
     family = family_for_hf_config(hf_config).module
     cfg = family.from_hf_config(hf_config)
     # The optional family hooks init_from uses too: weights from_pretrained would skip (DeepSeek-V3's MTP layers),
@@ -187,13 +190,77 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     if hasattr(family, "check_hf_dir"):
         family.check_hf_dir(hf_dir, hf_config)
     extra = family.hf_source_options(hf_config) if hasattr(family, "hf_source_options") else {}
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+    from safetensors import SafetensorError
+
+    try:
+        with quiet_transformers():
+            hf_model, info = AutoModelForCausalLM.from_pretrained(
+                hf_dir, local_files_only=True, dtype=torch.float32, output_loading_info=True
+            )
+    except (
+        OSError,
+        RuntimeError,
+        ValueError,
+        SafetensorError,
+    ) as err:  # a missing / truncated shard, shapes that do not match
+        why = _first_line(err)
+        if "ignore_mismatched_sizes" in why:  # transformers points at its load report, which quiet_transformers hid
+            why = "a tensor's shape differs from what its config.json gives"
+        raise ValueError(f"{hf_dir}: transformers cannot load its weights: {why}") from err
+    # from_pretrained fills a missing tensor with a fresh random init and drops an unexpected one: refuse both.
+    bad = {k: sorted(info.get(k) or ())[:4] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(bad.values()):
+        found = "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in bad.items() if v)
+        raise ValueError(
+            f"{hf_dir}: its weights do not match its config.json ({found}); nothing is dropped or invented"
+        )
     sd = family.from_hf_state_dict(hf_model.state_dict(), cfg, **extra)
     model = build_model(cfg)
     model.load_state_dict(sd, strict=True)
     model.tie_weights()
     token_ids = {k: getattr(hf_config, k, None) for k in _TOKEN_IDS}
     return write_weights_checkpoint(model, cfg, output_dir, name, source=str(hf_dir), token_ids=token_ids)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers logs only errors and shows no progress bar inside (its load report and config warnings would
+    precede our one-line refusal, which says the same); both are restored after."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _read_hf_config(hf_dir: str | Path):
+    """The ``transformers`` config of the local folder ``hf_dir``.
+
+    Raises:
+        ValueError: not a directory, no ``config.json``, or one transformers cannot read (an unknown ``model_type``).
+    """
+    from transformers import AutoConfig
+
+    folder = Path(hf_dir).expanduser()
+    if not (folder / "config.json").is_file():
+        what = "has no config.json" if folder.is_dir() else "is not a directory"
+        raise ValueError(f"{hf_dir} {what} (a local transformers save_pretrained folder); nothing is downloaded")
+    try:
+        with quiet_transformers():
+            return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, KeyError, ValueError) as err:
+        raise ValueError(f"{hf_dir}/config.json cannot be read by transformers: {_first_line(err)}") from err
 
 
 def write_weights_checkpoint(

@@ -55,8 +55,11 @@ def read_hf_config(path: str | Path):
     folder = _folder(path)
     from transformers import AutoConfig  # local import: transformers is slow to import
 
+    from kempnerforge.checkpoint.convert import quiet_transformers
+
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
+        with quiet_transformers():
+            return AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(FIELD, f"{path}/config.json cannot be read by transformers: {first}") from err
@@ -195,6 +198,81 @@ def hf_family_of(cfg: ModelConfig):
     return family_for_config(cfg).module
 
 
+def _sources(model: nn.Module, cfg: ModelConfig, disk: set[str], path: str | Path):
+    """``(tensor, HFSource)`` for every parameter of ``model`` and every buffer the family loads (``HF_BUFFERS``,
+    e.g. DeepSeek-V3's router correction bias), through the family's ``hf_source`` with the options the folder's
+    config sets (``hf_source_options``, e.g. DeepSeek-V3's ``rope_interleave``)."""
+    from kempnerforge.model.init import canonical_fqn
+
+    family = hf_family_of(cfg)
+    options = family.hf_source_options(read_hf_config(path)) if hasattr(family, "hf_source_options") else {}
+    loaded = getattr(family, "HF_BUFFERS", ())
+    buffers = [(n, b) for n, b in model.named_buffers() if loaded and canonical_fqn(n).endswith(loaded)]
+    for name, tensor in [*model.named_parameters(), *buffers]:
+        fqn = canonical_fqn(name)
+        if fqn == "output.weight" and cfg.tie_embeddings:  # a pipeline's last stage: its own copy of the tie
+            fqn = "tok_embeddings.weight"
+        yield tensor, family.hf_source(fqn, cfg, disk, **options)
+
+
+def _check_all_read(model: nn.Module, path: str | Path, cfg: ModelConfig, disk: set[str], used: set[str]) -> None:
+    """With the whole model (no pipeline stage), every folder tensor was read by some parameter."""
+    from kempnerforge.checkpoint.hf_llama import _HF_IGNORED
+
+    whole = getattr(model, "tok_embeddings", None) is not None and len(getattr(model, "layers", ())) == cfg.n_layers
+    unused = sorted(
+        k for k in disk - used if not _HF_IGNORED.match(k) and not (k == "lm_head.weight" and cfg.tie_embeddings)
+    )
+    if whole and getattr(model, "output", None) is not None and unused:
+        raise ValueError(f"{FIELD}={path}: tensors with no kempnerforge parameter: {unused[:8]}")
+
+
+def check_hf_weights(path: str | Path, cfg: ModelConfig) -> None:
+    """The folder's safetensors files are whole and hold exactly the tensors, of the shapes, a model of ``cfg`` reads
+    (the checks :func:`load_hf_weights_` makes, from the file headers only: no tensor data is read, and the model
+    is built on the meta device). Preflight runs it on global rank 0 before any process group exists, so a
+    truncated or missing shard, a missing or extra tensor, or a ``config.json`` that does not match its weights is
+    one line instead of a failure on every rank after sharding.
+
+    Raises:
+        PathError: a shard named by the index is missing, or a file's header does not parse or its data is shorter
+            than the header says (field ``model.init_from``, naming the file and safetensors' reason).
+        UserError: a parameter without a folder tensor, a tensor of another shape, or a tensor nothing reads
+            (field ``model.init_from``).
+    """
+    from safetensors import SafetensorError
+
+    from kempnerforge.model.safetensors_shards import SafetensorsFolder
+    from kempnerforge.model.transformer import Transformer
+
+    try:
+        folder = SafetensorsFolder(path)
+    except (SafetensorError, OSError, ValueError, KeyError) as err:
+        what = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PathError(
+            FIELD,
+            f"{path}: the safetensors weights cannot be opened ({what}); a shard is missing, truncated or corrupt: "
+            "copy or save the folder again",
+        ) from err
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    used: set[str] = set()
+    try:
+        with folder:
+            disk = folder.keys()
+            for param, source in _sources(model, cfg, disk, path):
+                folder.check_source(tuple(param.shape), source)
+                used.update(source.keys)
+            _check_all_read(model, path, cfg, disk, used)
+    except (KeyError, ValueError) as err:
+        msg = err.args[0] if err.args else str(err)
+        raise UserError(
+            FIELD,
+            f"{msg.removeprefix(f'{FIELD}=')}; its weights do not match its config.json (allowed: the tensors "
+            "save_pretrained writes for that config)",
+        ) from err
+
+
 @torch.no_grad()
 def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> set[int]:
     """Fill every parameter of ``model`` (plain tensors or DTensors of any FSDP2 / TP / EP layout, or a pipeline
@@ -204,7 +282,8 @@ def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> se
     tensor(s): a rename or block is one ``safetensors`` slice per run of this rank's indices; per-expert keys are
     read only for the experts this rank keeps. A tied head reads the embedding. Values are cast to each
     parameter's dtype (bf16 files into fp32 master weights are exact). Buffers (RoPE tables, router
-    ``expert_bias``) are left to the caller (:func:`~kempnerforge.model.decoder_init.init_decoder_`).
+    ``expert_bias``) are left to the caller (:func:`~kempnerforge.model.decoder_init.init_decoder_`). Preflight
+    has already checked the same on rank 0 from the file headers (:func:`check_hf_weights`).
 
     Args:
         model: the materialized decoder (not on meta).
@@ -220,29 +299,15 @@ def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> se
         ValueError: a folder tensor with another shape; with the whole model (no pipeline stage), folder tensors
             nothing reads (e.g. biases our model lacks): a weight is never dropped silently.
     """
-    from kempnerforge.checkpoint.hf_llama import _HF_IGNORED
-    from kempnerforge.model.init import canonical_fqn
     from kempnerforge.model.safetensors_shards import SafetensorsFolder
 
-    family = hf_family_of(cfg)
-    options = family.hf_source_options(read_hf_config(path)) if hasattr(family, "hf_source_options") else {}
-    buffers = [(n, b) for n, b in model.named_buffers() if canonical_fqn(n).endswith(getattr(family, "HF_BUFFERS", ()))]
     done: set[int] = set()
     used: set[str] = set()
     with SafetensorsFolder(path) as folder:
         disk = folder.keys()
-        for name, param in [*model.named_parameters(), *buffers]:
-            fqn = canonical_fqn(name)
-            if fqn == "output.weight" and cfg.tie_embeddings:  # a pipeline's last stage: its own copy of the tie
-                fqn = "tok_embeddings.weight"
-            source = family.hf_source(fqn, cfg, disk, **options)
+        for param, source in _sources(model, cfg, disk, path):
             folder.read_source_(param, source)
             used.update(source.keys)
             done.add(id(param))
-    whole = getattr(model, "tok_embeddings", None) is not None and len(getattr(model, "layers", ())) == cfg.n_layers
-    unused = sorted(
-        k for k in disk - used if not _HF_IGNORED.match(k) and not (k == "lm_head.weight" and cfg.tie_embeddings)
-    )
-    if whole and getattr(model, "output", None) is not None and unused:
-        raise ValueError(f"{FIELD}={path}: tensors with no kempnerforge parameter: {unused[:8]}")
+    _check_all_read(model, path, cfg, disk, used)
     return done

@@ -99,6 +99,9 @@ class ChatDataModule(ResumableLoaders):
         self.train_dataset: ChatDataset | None = None
         self.val_dataset: ChatDataset | None = None
 
+    #: The field that turns :attr:`document_masking` on, for refusals (pipeline parallelism cannot take it).
+    document_masking_field = "data.packing"
+
     @property
     def document_masking(self) -> bool:
         """Packed rows carry ``doc_ids`` (the strategy's and the estimator's rules read this, as for text)."""

@@ -499,7 +499,11 @@ def prepare_main(argv: list[str] | None = None) -> None:
         def error(self, message: str, ex: Exception | None = None) -> NoReturn:
             if not self.exit_on_error:  # jsonargparse's inner parsers raise instead
                 super().error(message, ex)
-            print(argparse_error_line(message), file=sys.stderr, flush=True)
+            line = argparse_error_line(message)  # options are --name here ("format: ..." -> "--format: ...")
+            prefix = "kforge: error: "
+            if line.startswith(prefix) and not line.startswith(f"{prefix}-") and not line.startswith(f"{prefix}arg"):
+                line = f"{prefix}--{line.removeprefix(prefix)}"
+            print(line, file=sys.stderr, flush=True)
             raise SystemExit(2)
 
     parser = Parser(prog="kforge prepare-data", description=prepare_data.__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -508,6 +512,10 @@ def prepare_main(argv: list[str] | None = None) -> None:
     cfg = parser.parse_args(argv).as_dict()
     cfg.pop("config", None)
     try:
+        if cfg.get("format") == "chat":  # every record first (one JSON pass): a bad line is one line, no progress bar
+            from kempnerforge.data.chat_prepare import check_chat_source
+
+            check_chat_source(cfg["source"], cfg["tokenizer"], cfg["messages_field"])
         meta = prepare_data(**cfg)
     except UserError as err:  # chat data names its argument (source, tokenizer, ...)
         print(f"kforge: error: --{err.field}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)

@@ -88,6 +88,34 @@ class SafetensorsFolder:
             src = tuple(slice(g, g + n) for _, g, n in block)
             local[dst].copy_(source[src])
 
+    def check_source(self, shape: tuple[int, ...], source: HFSource) -> None:
+        """``source`` can fill a tensor of global ``shape``: its keys are in the folder and their shapes (read from the
+        file headers only, no tensor data) hold the block. What :meth:`read_source_` checks before it reads.
+
+        Raises:
+            KeyError: a key of ``source`` is not in the folder (names it).
+            ValueError: a folder tensor cannot hold the block (names the key, both shapes and the offset), or a
+                stack has another number of keys than ``shape[0]``, or ``source.rows`` is not a permutation of dim 0.
+        """
+        rest = tuple(shape[1:]) if source.stacked else tuple(shape)
+        offset = source.offset or (0,) * len(rest)
+        if source.stacked and len(source.keys) != shape[0]:
+            raise ValueError(f"{self.path}: {len(source.keys)} stacked keys for dim 0 of size {shape[0]}")
+        if source.rows and (source.stacked or sorted(source.rows) != list(range(shape[0]))):
+            raise ValueError(f"{self.path}: rows of {source.key!r} are not a permutation of dim 0 ({shape[0]})")
+        missing = [key for key in source.keys if key not in self._where]
+        if missing:
+            raise KeyError(f"{self.path} has no tensor {missing[0]!r}")
+        for key in source.keys:
+            have = tuple(self._where[key].get_slice(key).get_shape())
+            exact = not source.offset  # a rename: the same shape; a block: inside the folder tensor
+            fits = len(have) == len(rest) and all(o + n <= s for o, n, s in zip(offset, rest, have, strict=True))
+            if not fits or (exact and have != rest):
+                raise ValueError(
+                    f"{self.path}: tensor {key!r} has shape {have}, which cannot hold a block of shape {rest} "
+                    f"at offset {offset}"
+                )
+
     @torch.no_grad()
     def read_source_(self, tensor: torch.Tensor, source: HFSource) -> None:
         """Fill ``tensor`` (plain or DTensor: this rank's shard only) from ``source``: a block of one folder tensor
@@ -103,16 +131,10 @@ class SafetensorsFolder:
             ValueError: the folder tensor cannot hold the block (names the key, both shapes and the offset), or
                 ``source.rows`` is not a permutation of dim 0.
         """
+        self.check_source(tuple(tensor.shape), source)
         local = local_part(tensor)
         rest = tuple(tensor.shape[1:]) if source.stacked else tuple(tensor.shape)
         offset = source.offset or (0,) * len(rest)
-        if source.stacked and len(source.keys) != tensor.shape[0]:
-            raise ValueError(f"{self.path}: {len(source.keys)} stacked keys for dim 0 of size {tensor.shape[0]}")
-        if source.rows and (source.stacked or sorted(source.rows) != list(range(tensor.shape[0]))):
-            raise ValueError(f"{self.path}: rows of {source.key!r} are not a permutation of dim 0 ({tensor.shape[0]})")
-        missing = [key for key in source.keys if key not in self._where]
-        if missing:
-            raise KeyError(f"{self.path} has no tensor {missing[0]!r}")
         slices: dict[str, object] = {}
         if local.numel() == 0:
             return
@@ -123,16 +145,7 @@ class SafetensorsFolder:
                 # A handle of its own, dropped on return: the file pages this read maps leave the rank's RSS with it
                 # (the folder's long-lived handles would keep every page read so far resident: as much again as
                 # the rank's shard).
-                sl = safe_open(str(self._file[key]), framework="pt").get_slice(key)
-                shape = tuple(sl.get_shape())
-                exact = not source.offset  # a rename: the same shape; a block: inside the folder tensor
-                fits = len(shape) == len(rest) and all(o + n <= s for o, n, s in zip(offset, rest, shape, strict=True))
-                if not fits or (exact and shape != rest):
-                    raise ValueError(
-                        f"{self.path}: tensor {key!r} has shape {shape}, which cannot hold a block of shape {rest} "
-                        f"at offset {offset}"
-                    )
-                slices[key] = sl
+                slices[key] = safe_open(str(self._file[key]), framework="pt").get_slice(key)
             return slices[key]
 
         for block in itertools.product(*runs):

@@ -213,7 +213,11 @@ def validate_pipeline_run(
     for field, value in (
         ("model.loss_chunk_size", getattr(module, "loss_chunk_size", 0)),
         ("model.z_loss_weight", getattr(module, "z_loss_weight", 0.0)),
-        ("data.document_masking", getattr(datamodule, "document_masking", False)),
+        # the data module's own name for it (ChatDataModule: data.packing, a property behind document_masking)
+        (
+            getattr(datamodule, "document_masking_field", "data.document_masking"),
+            getattr(datamodule, "document_masking", False),
+        ),
     ):
         if value:
             raise MeshConfigError(f"{field}={value} is not supported with pp={pp}; turn it off or use pp=1.")

@@ -10,6 +10,7 @@ See :mod:`kempnerforge.checkpoint.convert` for what is supported and what is ref
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kempnerforge.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp
 from kempnerforge.cli_errors import ToolArgumentParser
@@ -38,6 +39,13 @@ def convert_main(argv: list[str] | None = None) -> None:
         out = dcp_to_hf(args.ckpt, args.output_dir, args.dtype, args.max_shard_size, args.tokenizer)
         print(f"wrote transformers directory {out.resolve()}")
     else:
-        out = hf_to_dcp(args.hf_dir, args.output_dir)
+        try:
+            out = hf_to_dcp(args.hf_dir, args.output_dir)
+        except (ValueError, KeyError) as err:  # the folder, its config or its weights: one line naming --hf_dir
+            message = " ".join(str(err.args[0] if err.args else err).split())
+            if not message.startswith(str(args.hf_dir)):  # a config-level refusal: say which folder
+                message = f"{args.hf_dir}: {message}"
+            print(f"kforge: error: --hf_dir: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from err
         print(f"wrote checkpoint {out.resolve()}; train from it with --config {out.parent / 'model.yaml'} "
               f"--ckpt_path {out.parent}")  # fmt: skip

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from safetensors.torch import save_file
 
 from kempnerforge.checkpoint.dcp_io import DCPCheckpointIO
 from kempnerforge.checkpoint.disk import format_bytes
@@ -88,12 +89,17 @@ def bad_files(tmp_path) -> dict[str, Path]:
     hf_no_tokenizer.mkdir()
     (hf_no_tokenizer / "config.json").write_text(json.dumps(llama))
     (hf_no_tokenizer / "model.safetensors").write_bytes(b"")
+    hf_truncated = tmp_path / "hf_truncated"  # tokenizer present, weights cut short: found by preflight on rank 0
+    hf_truncated.mkdir()
+    (hf_truncated / "config.json").write_text(json.dumps(llama))
+    (hf_truncated / "tokenizer_config.json").write_text("{}")
+    save_file({"model.norm.weight": torch.ones(64)}, str(hf_truncated / "model.safetensors"))
+    (hf_truncated / "model.safetensors").write_bytes((hf_truncated / "model.safetensors").read_bytes()[:-8])
     hf_gpt2 = tmp_path / "hf_gpt2"
     hf_gpt2.mkdir()
     (hf_gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     hf_mtp = tmp_path / "hf_mtp"  # DeepSeek-V3 with a multi-token-prediction layer on disk (only its header is read)
     hf_mtp.mkdir()
-    from safetensors.torch import save_file
     from transformers import DeepseekV3Config
 
     from tests.deepseek_tiny import HF_KW
@@ -103,7 +109,7 @@ def bad_files(tmp_path) -> dict[str, Path]:
     (hf_mtp / "tokenizer.json").write_text("{}")
     return {"empty": empty, "blocker": blocker, "partial": partial, "corrupt": good, "tokens": tokens,
             "hf_config_only": hf_config_only, "hf_gpt2": hf_gpt2, "hf_no_tokenizer": hf_no_tokenizer,
-            "hf_mtp": hf_mtp}  # fmt: skip
+            "hf_mtp": hf_mtp, "hf_truncated": hf_truncated}  # fmt: skip
 
 
 # (recipe, extra arguments, substrings the one line must hold: the field, and the file or value)
@@ -179,6 +185,11 @@ CASES = {
         "finetune_debug",
         ["--model.init_from={hf_mtp}"],
         ["model.init_from:", "num_nextn_predict_layers", "multi-token-prediction layers [3]"],
+    ),  # fmt: skip
+    "init_from_truncated_weights": (
+        "finetune_debug",
+        ["--model.init_from={hf_truncated}", "--data.data_dir={empty}/tokens"],
+        ["model.init_from:", "hf_truncated: the safetensors weights cannot be opened", "not fully covered"],
     ),  # fmt: skip
     "init_from_conflict": (
         "finetune_debug",

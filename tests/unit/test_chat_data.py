@@ -425,12 +425,15 @@ def test_a_template_that_raises_and_a_text_folder_are_refused(prepared, tmp_path
 
 
 def test_prepare_data_cli_prints_one_line(tokenizers, tmp_path, capsys):
+    """A bad record after good ones (all checked before rendering: no progress bar line first) and a bad --format."""
     src = tmp_path / "bad.jsonl"
-    src.write_text('{"messages": 3}\n')
-    with pytest.raises(SystemExit) as exit_:
-        prepare_main(["--source", str(src), "--tokenizer", str(tokenizers["chatml"]),
-                      "--output_dir", str(tmp_path / "o"), "--format", "chat"])  # fmt: skip
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and len(err) == 1
-    assert err[0].startswith(f"kforge: error: --source: {src} line 1: messages must be a non-empty list")
-    assert not (tmp_path / "o").exists()  # refused before anything was written
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    src.write_text(f'{good}\n{good}\n{{"messages": 3}}\n')
+    for fmt, want in (("chat", f"--source: {src} line 3: messages must be a non-empty list"), ("chatml", "--format: ")):
+        with pytest.raises(SystemExit) as exit_:
+            prepare_main(["--source", str(src), "--tokenizer", str(tokenizers["chatml"]),
+                          "--output_dir", str(tmp_path / "o"), "--format", fmt])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"kforge: error: {want}"), err
+        assert not (tmp_path / "o").exists()  # refused before anything was written

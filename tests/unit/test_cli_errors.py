@@ -55,6 +55,11 @@ def test_lines_are_one_line_with_the_field_first():
     assert argparse_error_line("unrecognized arguments: --model.config.n_layer=2").startswith(
         "kforge: error: --model.config.n_layer: unknown option"
     )
+    # a misspelled key in a --config YAML file: the key is the field
+    assert argparse_error_line("Subcommand 'fit' does not accept option 'model.optimizer.learning_rate'") == (
+        "kforge: error: model.optimizer.learning_rate: not a field of kforge fit (in a --config file?); "
+        "kforge fit --help lists every field"
+    )
 
 
 def test_held_logs_are_shown_in_order_or_dropped():

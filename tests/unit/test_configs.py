@@ -48,3 +48,22 @@ def test_recipe_instantiates(path, tmp_path, monkeypatch):
 
 def test_there_is_at_least_the_debug_recipe():
     assert "debug" in [p.stem for p in CONFIGS]
+
+
+def test_a_plain_data_block_under_another_data_module_is_refused_naming_both_files(tmp_path):
+    """finetune_debug.yaml's TokenDataModule block, then a chat data block: one line naming both (jsonargparse's own
+    error was a Union-subtype dump); the other order (a plain override after the class) stays allowed."""
+    from kempnerforge.errors import UserError
+
+    chat = tmp_path / "chat.yaml"
+    chat.write_text(
+        "data:\n  class_path: kempnerforge.data.chat_datamodule.ChatDataModule\n  init_args: {seq_len: 64}\n"
+    )
+    override = tmp_path / "override.yaml"
+    override.write_text("data:\n  seq_len: 32\n")
+    with pytest.raises(
+        UserError, match="finetune_debug.yaml has a plain data: block .*chat.yaml .*ChatDataModule"
+    ) as e:
+        cli_classes(["fit", "--config", "configs/finetune_debug.yaml", "--config", str(chat)])
+    assert e.value.field == "--config"
+    assert cli_classes(["fit", "--config", str(chat), "--config", str(override)])["subclass_mode_data"]

@@ -16,9 +16,14 @@ import torch
 from safetensors.torch import save_file
 
 from kempnerforge.checkpoint.hf_source import HFSource
-from kempnerforge.checkpoint.init_from import load_hf_weights_, model_config_from_folder, resolve_model_config
+from kempnerforge.checkpoint.init_from import (
+    check_hf_weights,
+    load_hf_weights_,
+    model_config_from_folder,
+    resolve_model_config,
+)
 from kempnerforge.config import ModelConfig
-from kempnerforge.errors import UserError
+from kempnerforge.errors import PathError, UserError
 from kempnerforge.model.safetensors_shards import SafetensorsFolder
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.module import CausalLM
@@ -161,6 +166,53 @@ def test_bad_folder_tensors_are_errors(llama_folder, tmp_path):
     save_file(tensors, str(extra / "model.safetensors"))
     with pytest.raises(KeyError, match="model.norm.weight"):
         load_hf_weights_(Transformer(cfg), extra, cfg)
+
+
+def test_bad_folder_weights_are_refused_from_the_headers_before_any_load(llama_folder, tmp_path):
+    """What load_hf_weights_ would find after sharding (a cut or missing file, a missing, extra or misshapen tensor)
+    check_hf_weights finds from the file headers, for preflight to refuse as one line (field model.init_from)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    cfg = model_config_from_folder(llama_folder)
+    check_hf_weights(llama_folder, cfg)  # the folder save_pretrained wrote passes
+    tensors = load_file(str(llama_folder / "model.safetensors"))
+
+    def variant(name, sd=None, cut=0, config=None):
+        folder = tmp_path / name
+        shutil.copytree(llama_folder, folder)
+        if config is not None:
+            (folder / "config.json").write_text(config)
+        if sd is not None:
+            save_file(sd, str(folder / "model.safetensors"))
+        if cut:
+            data = (folder / "model.safetensors").read_bytes()
+            (folder / "model.safetensors").write_bytes(data[:-cut])
+        return folder
+
+    no_norm = {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+    extra = {**tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(32)}
+    wider = (llama_folder / "config.json").read_text().replace('"intermediate_size": 48', '"intermediate_size": 40')
+    cases = {
+        "truncated": (variant("truncated", cut=100), PathError, "cannot be opened.*not fully covered"),
+        "missing_tensor": (variant("missing", sd=no_norm), UserError, "no tensor 'model.norm.weight'"),
+        "extra_tensor": (variant("extra", sd=extra), UserError, "no kempnerforge parameter.*q_proj.bias"),
+        "shape": (variant("shape", config=wider), UserError, r"gate_proj.weight' has shape \(48, 32\).*\(40, 32\)"),
+    }
+    for name, (folder, error, pattern) in cases.items():
+        with pytest.raises(error, match=pattern) as err:
+            check_hf_weights(folder, model_config_from_folder(folder))
+        assert err.value.field == "model.init_from", name
+    index = variant("sharded")
+    (index / "model.safetensors").rename(index / "model-00001-of-00002.safetensors")
+    weight_map = dict.fromkeys(tensors, "model-00001-of-00002.safetensors") | {
+        "lm_head.weight": "model-00002-of-00002.safetensors"
+    }
+    (index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(PathError, match="model-00002-of-00002.safetensors"):
+        check_hf_weights(index, cfg)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -234,3 +234,13 @@ def test_strategy_refuses_loss_options_the_pipeline_does_not_compute(module_attr
     vars(data).update(data_attr)
     with pytest.raises(MeshConfigError, match=message):
         strat.check_layout(2, strat._lightning_module, data)
+
+
+def test_chat_packing_under_pp_is_refused_as_data_packing(tmp_path):
+    """ChatDataModule's document mask comes from its own field, data.packing: the refusal names that one."""
+    from kempnerforge.data.chat_datamodule import ChatDataModule
+
+    strat = KempnerStrategy(pp=2)
+    strat._lightning_module = CausalLM(config=TINY)
+    with pytest.raises(MeshConfigError, match=r"^data.packing=True is not supported with pp=2"):
+        strat.check_layout(2, strat._lightning_module, ChatDataModule(str(tmp_path), seq_len=8, micro_batch_size=4))
