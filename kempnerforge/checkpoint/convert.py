@@ -22,7 +22,6 @@ weight is never dropped silently.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
 from kempnerforge.checkpoint.hf_families import family_for_config, family_for_hf_config
+from kempnerforge.checkpoint.hf_quiet import quiet_transformers
 from kempnerforge.checkpoint.load import build_model, load_checkpoint_model
 from kempnerforge.config.model import ModelConfig
 
@@ -220,23 +220,6 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     model.tie_weights()
     token_ids = {k: getattr(hf_config, k, None) for k in _TOKEN_IDS}
     return write_weights_checkpoint(model, cfg, output_dir, name, source=str(hf_dir), token_ids=token_ids)
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers logs only errors and shows no progress bar inside (its load report and config warnings would
-    precede our one-line refusal, which says the same); both are restored after."""
-    from transformers.utils import logging as hf_logging
-
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _first_line(err: BaseException) -> str:

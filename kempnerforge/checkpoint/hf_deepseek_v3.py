@@ -79,7 +79,7 @@ _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 #: Buffers ``model.init_from`` reads from the folder (canonical FQN suffixes): the router's correction bias moves the
-#: routing, so it is loaded, not zeroed (:func:`kempnerforge.checkpoint.init_from.load_hf_weights_`).
+#: routing, so it is loaded, not zeroed (:func:`kempnerforge.checkpoint.hf_load.load_hf_weights_`).
 HF_BUFFERS = ("moe.router.expert_bias",)
 
 

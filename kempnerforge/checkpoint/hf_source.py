@@ -3,7 +3,7 @@
 Each family module of :mod:`~kempnerforge.checkpoint.hf_families` (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
 Qwen3-MoE, DeepSeek-V3) maps a canonical FQN of ours to an :class:`HFSource` with ``hf_source(fqn, cfg, disk_keys)``,
 from the same name tables its state-dict converters use. A sharded load
-(:func:`kempnerforge.checkpoint.init_from.load_hf_weights_`) then reads, per parameter, only the elements this
+(:func:`kempnerforge.checkpoint.hf_load.load_hf_weights_`) then reads, per parameter, only the elements this
 rank stores (:meth:`kempnerforge.model.safetensors_shards.SafetensorsFolder.read_source_`).
 """
 

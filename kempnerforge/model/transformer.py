@@ -169,7 +169,7 @@ class Transformer(nn.Module):
         The rules live in :func:`~kempnerforge.model.decoder_init.init_decoder_` (shared with the VLM backbones).
 
         With ``init_from`` (a ``save_pretrained`` folder), every parameter is instead read from it, each rank only
-        the elements it stores (:func:`~kempnerforge.checkpoint.init_from.load_hf_weights_`).
+        the elements it stores (:func:`~kempnerforge.checkpoint.hf_load.load_hf_weights_`).
 
         Raises:
             RuntimeError: if a parameter is not covered by the rules above (a new module type).
@@ -178,7 +178,7 @@ class Transformer(nn.Module):
         loaded = None
         init_from = getattr(self, "init_from", None)  # VLM backbones reuse this method without the attribute
         if init_from is not None:  # this rank's shards from the HF folder; RoPE tables and buffers below
-            from kempnerforge.checkpoint.init_from import load_hf_weights_
+            from kempnerforge.checkpoint.hf_load import load_hf_weights_
 
             loaded = load_hf_weights_(self, init_from, self.config)
         init_decoder_(self, self.config, seed, done=loaded)
