@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, DCPCheckpointIO
 from kempnerforge.checkpoint.hf_families import family_for_config, family_for_hf_config
 from kempnerforge.checkpoint.hf_quiet import quiet_transformers
-from kempnerforge.checkpoint.load import build_model, load_checkpoint_model
+from kempnerforge.checkpoint.load import TOKENIZER_KEY, build_model, load_checkpoint_model
 from kempnerforge.config.model import ModelConfig
 
 #: dtype names accepted by ``--dtype``.
@@ -179,9 +179,11 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
             weights transformers cannot load (a missing or truncated shard, wrong shapes), or that miss a tensor of
             the config or hold one it does not read (``from_pretrained`` would invent or drop it).
         KeyError: HF weights with no counterpart in our model, or missing weights.
+        FileExistsError: ``output_dir`` already holds checkpoints (a ``latest`` pointer or ``*.ckpt``).
     """
     from transformers import AutoModelForCausalLM  # local import: transformers is slow to import
 
+    _refuse_checkpoint_folder(output_dir)
     hf_config = _read_hf_config(hf_dir)
     family = family_for_hf_config(hf_config).module
     cfg = family.from_hf_config(hf_config)
@@ -219,7 +221,34 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     model.load_state_dict(sd, strict=True)
     model.tie_weights()
     token_ids = {k: getattr(hf_config, k, None) for k in _TOKEN_IDS}
-    return write_weights_checkpoint(model, cfg, output_dir, name, source=str(hf_dir), token_ids=token_ids)
+    tokenizer = str(Path(hf_dir).resolve()) if _has_tokenizer_files(hf_dir) else None
+    return write_weights_checkpoint(
+        model, cfg, output_dir, name, source=str(hf_dir), token_ids=token_ids, tokenizer=tokenizer
+    )
+
+
+def _has_tokenizer_files(folder: str | Path) -> bool:
+    from kempnerforge.checkpoint.init_from import TOKENIZER_FILES
+
+    return any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def _refuse_checkpoint_folder(output_dir: str | Path) -> None:
+    """An import never lands in a folder that already holds checkpoints: it would repoint ``latest`` to step 0, and
+    a run auto-resuming from that folder would restart from the imported weights.
+
+    Raises:
+        FileExistsError: ``output_dir`` holds a ``latest`` pointer or a ``*.ckpt`` checkpoint (names it).
+    """
+    out = Path(output_dir)
+    held = (
+        sorted(p.name for p in out.iterdir() if p.name == "latest" or p.name.endswith(".ckpt")) if out.is_dir() else []
+    )
+    if held:
+        raise FileExistsError(
+            f"{output_dir} already holds checkpoints ({', '.join(held[:3])}); importing there would repoint latest to "
+            "the imported weights: choose an empty or new folder"
+        )
 
 
 def _first_line(err: BaseException) -> str:
@@ -247,10 +276,17 @@ def _read_hf_config(hf_dir: str | Path):
 
 
 def write_weights_checkpoint(
-    model: nn.Module, cfg: ModelConfig, output_dir: str | Path, name: str, source: str, token_ids: dict | None = None
+    model: nn.Module,
+    cfg: ModelConfig,
+    output_dir: str | Path,
+    name: str,
+    source: str,
+    token_ids: dict | None = None,
+    tokenizer: str | None = None,
 ) -> Path:
     """Write ``model``'s weights as a kempnerforge checkpoint (keys as ``CausalLM`` saves them) plus ``model.yaml``;
-    ``token_ids`` (an HF config's ``bos/eos/pad_token_id``) are kept for :func:`dcp_to_hf`."""
+    ``token_ids`` (an HF config's ``bos/eos/pad_token_id``) are kept for :func:`dcp_to_hf`, and ``tokenizer`` (a
+    local tokenizer folder) is recorded for ``kforge generate`` / ``eval`` / ``dcp-to-hf``."""
     import lightning
 
     holder = nn.Module()  # CausalLM keeps its decoder under ``model``: same FQNs as a training save
@@ -267,6 +303,8 @@ def write_weights_checkpoint(
     }
     if token_ids is not None:
         checkpoint[HF_TOKEN_IDS_KEY] = token_ids
+    if tokenizer is not None:
+        checkpoint[TOKENIZER_KEY] = tokenizer
     DCPCheckpointIO().save_checkpoint(checkpoint, out / name)
     (out / "model.yaml").write_text(_model_yaml(cfg))
     return out / name

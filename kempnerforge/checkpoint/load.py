@@ -27,6 +27,10 @@ from kempnerforge.model.transformer import Transformer
 MODEL_PREFIX = "state_dict.model."
 
 
+#: ``meta.pt`` key of an imported checkpoint's tokenizer folder (the HF folder it came from, when it held one).
+TOKENIZER_KEY = "tokenizer"
+
+
 @dataclass
 class LoadedCheckpoint:
     """A model restored from a checkpoint, with what the tools need around it.
@@ -45,9 +49,10 @@ class LoadedCheckpoint:
 
     @property
     def tokenizer(self) -> str | None:
-        """The local tokenizer directory the training data was prepared with, when the run recorded one."""
+        """The local tokenizer directory the training data was prepared with, when the run recorded one (or, for a
+        ``kforge convert hf-to-dcp`` import, the HF folder's tokenizer: :data:`TOKENIZER_KEY`)."""
         data = self.meta.get("datamodule_hyper_parameters") or {}
-        return data.get("tokenizer")
+        return data.get("tokenizer") or self.meta.get(TOKENIZER_KEY)
 
 
 def model_config_from_meta(meta: dict[str, Any], path: Path) -> ModelConfig:

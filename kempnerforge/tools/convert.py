@@ -41,6 +41,9 @@ def convert_main(argv: list[str] | None = None) -> None:
     else:
         try:
             out = hf_to_dcp(args.hf_dir, args.output_dir)
+        except FileExistsError as err:  # the output folder already holds checkpoints
+            print(f"kforge: error: --output_dir: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from err
         except (ValueError, KeyError) as err:  # the folder, its config or its weights: one line naming --hf_dir
             message = " ".join(str(err.args[0] if err.args else err).split())
             if not message.startswith(str(args.hf_dir)):  # a config-level refusal: say which folder

@@ -60,3 +60,27 @@ def test_bad_hf_folders_are_one_line_naming_hf_dir(tmp_path, capsys):
         assert not (tmp_path / "out" / name).exists(), name  # nothing written
     convert_main(["hf-to-dcp", "--hf_dir", str(good), "--output_dir", str(tmp_path / "out" / "good")])
     assert (tmp_path / "out" / "good" / "step=0.ckpt" / "COMPLETE").is_file()
+
+
+def test_import_refuses_a_checkpoint_folder_and_records_the_tokenizer(tmp_path, capsys, gpt2_tokenizer_dir):
+    """An import into a folder that already holds checkpoints would repoint ``latest`` at step 0 (a run resuming from
+    that folder would restart from the imported weights): refused, naming --output_dir, with the folder untouched.
+    An import from a folder with tokenizer files records it, so the tools find the tokenizer by themselves."""
+    import transformers as tf
+
+    from kempnerforge.checkpoint.load import load_checkpoint_model
+
+    good = save_random(tf.LlamaForCausalLM, tf.LlamaConfig(**SMALL), tmp_path / "good")
+    for f in gpt2_tokenizer_dir.iterdir():
+        shutil.copy(f, good / f.name)
+    out = tmp_path / "imported"
+    convert_main(["hf-to-dcp", "--hf_dir", str(good), "--output_dir", str(out)])
+    assert load_checkpoint_model(out).tokenizer == str(good.resolve())
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        convert_main(["hf-to-dcp", "--hf_dir", str(good), "--output_dir", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"kforge: error: --output_dir: {out} already holds checkpoints (latest"), lines[0]
+    assert sorted(p.name for p in out.iterdir()) == before
