@@ -60,3 +60,28 @@ def _kforge_cache_dir(tmp_path_factory):
 def _one_thread_per_test_process(monkeypatch):
     """Distributed launches share 2 cores: keep each rank single-threaded (see NOTES-platform.md)."""
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+#: What a launcher (or Lightning's environment, for an in-process ``Trainer.fit``) writes into ``os.environ``.
+_LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+                 "GROUP_RANK")  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launcher_env_baseline() -> dict[str, str | None]:
+    """The launcher variables as the pytest process started with them (normally none)."""
+    return {key: os.environ.get(key) for key in _LAUNCHER_ENV}
+
+
+@pytest.fixture(autouse=True)
+def _launcher_env_restored(_launcher_env_baseline):
+    """An in-process ``Trainer.fit`` leaves Lightning's ``MASTER_PORT`` (and friends) in ``os.environ``; a ``kforge``
+    subprocess a later test starts would inherit it and try to open its rendezvous on a port that may still be
+    held (EADDRINUSE). After each test they are put back as the session started; not as the test found them,
+    because a module-scoped fixture that trains in-process runs before this fixture's setup."""
+    yield
+    for key, value in _launcher_env_baseline.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
