@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from kempnerforge.checkpoint import hf_llama
-from kempnerforge.checkpoint.hf_source import HFSource
+from kempnerforge.checkpoint.hf_source import HFSource, routed_experts_source, shared_expert_source
 from kempnerforge.config.model import ModelConfig
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -314,18 +314,11 @@ def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str], rope_interleave: 
         return HFSource((f"{p}.{_BLOCK[name]}",), rows=_rope_rows(cfg, name) if rope_interleave else ())
     shared = re.fullmatch(r"moe\.shared_experts\.(\d+)\.(w[123])\.weight", name)
     if shared is not None:
-        s, w = int(shared.group(1)), shared.group(2)
-        key = f"{p}.mlp.shared_experts.{_SHARED[w]}.weight"
-        return HFSource((key,), offset=(0, s * h) if w == "w2" else (s * h, 0))
+        return shared_expert_source(f"{p}.mlp.shared_experts.{{}}.weight", shared.group(2), int(shared.group(1)), h)
     routed = re.fullmatch(r"moe\.experts\.(w[123])", name)
     if routed is None:
         raise KeyError(f"{fqn!r} has no DeepseekV3ForCausalLM counterpart")
-    w = routed.group(1)
-    if f"{p}.mlp.experts.0.{_SHARED[w]}.weight" in disk_keys:
-        return HFSource(tuple(f"{p}.mlp.experts.{e}.{_SHARED[w]}.weight" for e in range(cfg.num_experts)), stacked=True)
-    if w == "w2":
-        return HFSource((f"{p}.mlp.experts.down_proj",))
-    return HFSource((f"{p}.mlp.experts.gate_up_proj",), offset=(0, h if w == "w3" else 0, 0))
+    return routed_experts_source(f"{p}.mlp.experts", routed.group(1), cfg.num_experts, h, disk_keys)
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

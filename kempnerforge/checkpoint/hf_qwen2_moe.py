@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from kempnerforge.checkpoint import hf_llama
-from kempnerforge.checkpoint.hf_source import HFSource
+from kempnerforge.checkpoint.hf_source import HFSource, routed_experts_source, shared_expert_source
 from kempnerforge.config.model import ModelConfig
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -153,17 +153,11 @@ def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str]) -> HFSource:
         return HFSource((f"{p}.shared_expert_gate.weight",))
     shared = re.fullmatch(r"shared_experts\.(\d+)\.(w[123])\.weight", name)
     if shared is not None:
-        s, w = int(shared.group(1)), shared.group(2)
-        return HFSource((f"{p}.shared_expert.{_SHARED[w]}.weight",), offset=(0, s * h) if w == "w2" else (s * h, 0))
+        return shared_expert_source(f"{p}.shared_expert.{{}}.weight", shared.group(2), int(shared.group(1)), h)
     routed = re.fullmatch(r"experts\.(w[123])", name)
     if routed is None:
         raise KeyError(f"{fqn!r} has no Qwen2MoeForCausalLM counterpart")
-    w = routed.group(1)
-    if f"{p}.experts.0.{_SHARED[w]}.weight" in disk_keys:
-        return HFSource(tuple(f"{p}.experts.{e}.{_SHARED[w]}.weight" for e in range(cfg.num_experts)), stacked=True)
-    if w == "w2":
-        return HFSource((f"{p}.experts.down_proj",))
-    return HFSource((f"{p}.experts.gate_up_proj",), offset=(0, h if w == "w3" else 0, 0))
+    return routed_experts_source(f"{p}.experts", routed.group(1), cfg.num_experts, h, disk_keys)
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

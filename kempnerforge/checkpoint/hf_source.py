@@ -48,6 +48,41 @@ class HFSource:
         return self.keys[0]
 
 
+#: Our SwiGLU weight names -> HF's projection names (gate, up, down), for experts and shared experts alike.
+SWIGLU_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def shared_expert_source(key_of: str, w: str, s: int, width: int) -> HFSource:
+    """Our shared expert ``s`` (width ``width``) as a block of HF's single fused shared-expert MLP: rows
+    ``[s * width, (s + 1) * width)`` of its gate/up projection, or those columns of its down projection.
+
+    Args:
+        key_of: the HF key with ``{}`` where the projection name goes (``...mlp.shared_expert.{}.weight``).
+        w: ``"w1"``, ``"w2"`` or ``"w3"``.
+    """
+    return HFSource((key_of.format(SWIGLU_NAMES[w]),), offset=(0, s * width) if w == "w2" else (s * width, 0))
+
+
+def routed_experts_source(prefix: str, w: str, num_experts: int, width: int, disk_keys: set[str]) -> HFSource:
+    """Our packed routed experts' ``w1`` / ``w2`` / ``w3`` (E, ...) in a folder that holds them either per expert
+    (``{prefix}.{e}.gate_proj.weight``, what transformers 5 ``save_pretrained`` writes for Qwen2/3-MoE and
+    DeepSeek-V3) or packed (transformers 5's in-memory ``{prefix}.gate_up_proj`` (E, 2 * width, dim) and
+    ``{prefix}.down_proj``).
+
+    Args:
+        prefix: the experts' HF module path (``model.layers.3.mlp.experts``).
+        w: ``"w1"``, ``"w2"`` or ``"w3"``.
+        width: one expert's hidden width (``w3`` starts at row ``width`` of ``gate_up_proj``).
+        disk_keys: the folder's tensor keys.
+    """
+    name = SWIGLU_NAMES[w]
+    if f"{prefix}.0.{name}.weight" in disk_keys:
+        return HFSource(tuple(f"{prefix}.{e}.{name}.weight" for e in range(num_experts)), stacked=True)
+    if w == "w2":
+        return HFSource((f"{prefix}.down_proj",))
+    return HFSource((f"{prefix}.gate_up_proj",), offset=(0, width if w == "w3" else 0, 0))
+
+
 def gather_source(sd: Mapping[str, torch.Tensor], source: HFSource, shape: tuple[int, ...]) -> torch.Tensor:
     """Our whole tensor of global ``shape`` from an in-memory HF state dict ``sd``: what
     :meth:`~kempnerforge.model.safetensors_shards.SafetensorsFolder.read_source_` reads from a folder, shard by shard
