@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from kempnerforge.checkpoint import hf_llama
-from kempnerforge.checkpoint.hf_source import HFSource, routed_experts_source, shared_expert_source
+from kempnerforge.checkpoint.hf_source import SWIGLU_NAMES, HFSource, routed_experts_source, shared_expert_source
 from kempnerforge.config.model import ModelConfig
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -71,7 +71,7 @@ _ATTN = {
     "attention.wo.weight": "self_attn.o_proj.weight",
 }
 _DENSE = {k: v for k, v in hf_llama._BLOCK_KEYS.items() if not k.startswith("attention.")}
-_SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_SHARED = SWIGLU_NAMES  # ours -> HF projection names
 _BLOCK = {**_ATTN, **_DENSE, "moe.router.gate.weight": "mlp.gate.weight",
           "moe.router.expert_bias": "mlp.gate.e_score_correction_bias"}  # fmt: skip
 _BLOCK_INV = {hf: ours for ours, hf in _BLOCK.items()}

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from kempnerforge.checkpoint import hf_llama
-from kempnerforge.checkpoint.hf_source import HFSource, routed_experts_source, shared_expert_source
+from kempnerforge.checkpoint.hf_source import SWIGLU_NAMES, HFSource, routed_experts_source, shared_expert_source
 from kempnerforge.config.model import ModelConfig
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -31,7 +31,7 @@ MODEL_TYPE = "qwen2_moe"
 
 _MOE_KEY = re.compile(r"^layers\.(\d+)\.moe\.(.+)$")
 _HF_MOE_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\..+|shared_expert.*)$")
-_SHARED = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_SHARED = SWIGLU_NAMES  # ours -> HF projection names
 
 
 def check_qwen2_moe_compatible(cfg: ModelConfig) -> None:
