@@ -1,9 +1,9 @@
-"""CPU training throughput: kempnerforge's Lightning trainer vs plain PyTorch, Hugging Face and litgpt.
+"""CPU training throughput: kempnerforge's Lightning trainer vs plain PyTorch, Hugging Face, litgpt and torchtitan.
 
 What it measures
 ----------------
 One process trains the SAME decoder (Llama-style: RMSNorm, RoPE, SwiGLU, untied head, fp32; default
-dim 256, 4 layers, 8 query heads and 8 KV heads, i.e. MHA, vocab 50304, seq 256, batch 8) with four
+dim 256, 4 layers, 8 query heads and 8 KV heads, i.e. MHA, vocab 50304, seq 256, batch 8) with five
 trainers, on the same pre-generated random token batches, from the same initial weights, with the
 same optimizer (``build_adamw``: AdamW, no decay on norms / embeddings), the same LR schedule
 (``build_scheduler``), the same loss (cross-entropy, mean over target tokens) and the same clipping
@@ -17,10 +17,17 @@ same optimizer (``build_adamw``: AdamW, no decay on norms / embeddings), the sam
                same weights (``to_hf_state_dict``), in the same loop as (b).
   (d) litgpt   ``litgpt.model.GPT`` with an equivalent ``litgpt.config.Config`` (fused qkv), loaded with
                the same weights, in the same loop as (b) (the ``bench`` extra; skipped if not installed).
+  (e) titan    torchtitan 0.3's ``Llama3Model`` (fused ``wqkv``, causal SDPA), loaded with the same weights, in
+               the same loop as (b) (installed by hand, see ``benchmarks/contenders.py``; skipped if absent).
+
+``--compile`` runs (a) with ``KempnerStrategy(compile=True)``; the others stay eager (the issue's bar: compiled
+(a) at least 1.1x HF, litgpt and torchtitan eager). The speed-up table gives, for each contender X, the median
+over steps of X's step time / (a)'s step time in the same iteration, in process CPU time (all threads) and in
+wall clock: > 1 means (a) is faster. CPU time is the figure to trust on a shared machine.
 
 Each trainer runs ``--warmup`` steps, then ``--steps`` measured steps. Schedules:
 
-- ``interleaved`` (default): (b), (c), (d) take their step i inside (a)'s step i (at the start of
+- ``interleaved`` (default): (b)-(e) take their step i inside (a)'s step i (at the start of
   Lightning's ``on_train_batch_start``), and that time is taken off (a)'s clock. All trainers then see
   the same machine state step by step, which keeps the comparison fair on a shared machine; the
   headline (a)/(b) is the median of per-step paired ratios.
@@ -46,8 +53,9 @@ fraction of what this CPU's GEMM reaches, not of a datasheet number.
 
 How to run
 ----------
-    python benchmarks/cpu_throughput.py                          # default shape, all four (~4 min, 2 cores)
+    python benchmarks/cpu_throughput.py                          # default shape, all five (~5 min, 2 cores)
     python benchmarks/cpu_throughput.py --only a,b --steps 20 --json /tmp/bench.json
+    python benchmarks/cpu_throughput.py --only a,c,d,e --compile --steps 20        # check 1, compiled (a)
     python benchmarks/cpu_throughput.py --dim 512 --n-layers 8 --n-kv-heads 4 --threads 1
     python benchmarks/cpu_throughput.py --schedule sequential --repeats 3
 
@@ -113,6 +121,9 @@ from kempnerforge.model import Transformer  # noqa: E402
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory  # noqa: E402
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler  # noqa: E402
 from kempnerforge.training.optimizers import OptimizerConfig, build_adamw  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared contender models beside this script
+from contenders import to_torchtitan_state_dict, torchtitan_config  # noqa: E402
 
 Batch = dict[str, torch.Tensor]
 
@@ -441,6 +452,20 @@ def build_litgpt(cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: list[Ba
     return PlainTrainer(model, lambda m, x: m(x), batches, args, sts)
 
 
+def build_torchtitan(cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: list[Batch], args, sts: bool):
+    """(e) torchtitan 0.3 ``Llama3Model`` (fused ``wqkv``, causal SDPA) with the same weights, eager."""
+    try:
+        config = torchtitan_config(cfg)
+    except ImportError as e:
+        raise ImportError(f"torchtitan not importable ({e}); see benchmarks/contenders.py") from e
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_states(buffer_device=torch.device("cpu"))  # the RoPE cache
+    model.load_state_dict(to_torchtitan_state_dict(sd), strict=True)
+    return PlainTrainer(model, lambda m, x: m(x), batches, args, sts)
+
+
 def run_plain_alone(trainer: PlainTrainer) -> Meter:
     """Sequential schedule: every batch in order, nothing else running."""
     gc.collect()
@@ -495,7 +520,7 @@ def run_kforge(cfg: ModelConfig, batches: list[Batch], args, others: list[PlainT
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=KempnerStrategy(cpu_keep_freed_memory=args.keep_freed_memory),
+        strategy=KempnerStrategy(cpu_keep_freed_memory=args.keep_freed_memory, compile=args.compile),
         precision="32-true",
         max_steps=len(batches),
         logger=False,
@@ -523,8 +548,9 @@ def run_kforge(cfg: ModelConfig, batches: list[Batch], args, others: list[PlainT
 # -- main ---------------------------------------------------------------------------------------
 
 
-NAMES = {"a": "(a) kforge", "b": "(b) plain", "c": "(c) hf", "d": "(d) litgpt"}
-BUILDERS = {"b": build_plain, "c": build_hf, "d": build_litgpt}
+NAMES = {"a": "(a) kforge", "b": "(b) plain", "c": "(c) hf", "d": "(d) litgpt", "e": "(e) titan"}
+BUILDERS = {"b": build_plain, "c": build_hf, "d": build_litgpt, "e": build_torchtitan}
+OTHERS = ("b", "c", "d", "e")
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -554,7 +580,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all logical CPUs)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad L2 norm (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default 0)")
-    p.add_argument("--only", default="a,b,c,d", help="comma-separated subset of a,b,c,d (default all)")
+    p.add_argument("--only", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e (default all)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="(a) runs with KempnerStrategy(compile=True) (per-block torch.compile); the others stay eager",
+    )
     p.add_argument("--peak-n", type=int, default=2048, help="matmul size for the FLOP/s peak (default 2048)")
     p.add_argument(
         "--wait-idle",
@@ -583,7 +614,7 @@ def _measure_once(cfg, sd, batches, args, only: list[str], skipped: dict[str, st
     sequential = args.schedule == "sequential"
     meters: dict[str, Meter] = {}
     plain: dict[str, PlainTrainer] = {}
-    for key in ("b", "c", "d"):
+    for key in OTHERS:
         if key in only and key not in skipped:
             try:
                 plain[key] = BUILDERS[key](cfg, sd, batches, args, sequential)
@@ -593,7 +624,7 @@ def _measure_once(cfg, sd, batches, args, only: list[str], skipped: dict[str, st
     if args.wait_idle > 0:
         wait_until_idle(args.wait_idle, args.max_other_load)
     if sequential:
-        for key in [k for k in ("b", "a", "c", "d") if k in only and k not in skipped]:
+        for key in [k for k in ("b", "a", "c", "d", "e") if k in only and k not in skipped]:
             print(f"running {NAMES[key]} ...", flush=True)
             meters[key] = run_kforge(cfg, batches, args) if key == "a" else run_plain_alone(plain.pop(key))
             gc.collect()
@@ -626,7 +657,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     only = [k.strip() for k in args.only.split(",") if k.strip()]
     unknown = sorted(set(only) - set(NAMES))
     if unknown:
-        raise SystemExit(f"--only: unknown trainers {unknown}; allowed: a, b, c, d")
+        raise SystemExit(f"--only: unknown trainers {unknown}; allowed: {', '.join(NAMES)}")
 
     cfg = ModelConfig(
         dim=args.dim,
@@ -660,8 +691,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches = make_batches(args.warmup + args.steps + 1, args.batch_size, args.seq_len, cfg.vocab_size, args.seed)
     sd = reference_state_dict(cfg, args.seed)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in only}
-    pairs: list[float] = []  # per-step (b)/(a) time ratios = (a)/(b) tokens/s ratios
-    cpu_pairs: list[float] = []  # the same with process CPU time (interleaved schedule)
+    # Per contender X: per-step X time / (a) time (> 1: (a) is faster), wall clock and process CPU time.
+    wall_pairs: dict[str, list[float]] = {k: [] for k in OTHERS}
+    cpu_pairs: dict[str, list[float]] = {k: [] for k in OTHERS}
     skipped: dict[str, str] = {}
     for _ in range(max(1, args.repeats)):
         meters = _measure_once(cfg, sd, batches, args, only, skipped)
@@ -674,19 +706,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{', '.join(f'{x:.0f}' for x in res['step_ms_all'])}; clean {res['clean_steps']}/{args.steps}",
                 flush=True,
             )
-        if "a" in meters and "b" in meters:
-            sa, sb = meters["a"].per_step(), meters["b"].per_step()
-            ok = [
-                i
-                for i in range(len(sa))
-                if max(sa[i]["other_load"] or 0.0, sb[i]["other_load"] or 0.0) <= args.max_other_load
-            ]
-            use = ok if len(ok) >= 3 and args.schedule == "interleaved" else range(len(sa))
-            if args.schedule == "interleaved":
-                pairs += [sb[i]["wall"] / sa[i]["wall"] for i in use]
-                cpu_pairs += [sb[i]["cpu"] / sa[i]["cpu"] for i in range(len(sa))]
-            else:
-                pairs.append(runs["a"][-1]["tokens_per_s"] / runs["b"][-1]["tokens_per_s"])
+        if "a" in meters:
+            sa = meters["a"].per_step()
+            for key in [k for k in OTHERS if k in meters]:
+                sx = meters[key].per_step()
+                if args.schedule == "interleaved":
+                    ok = [i for i in range(len(sa)) if max(sa[i]["other_load"] or 0.0, sx[i]["other_load"] or 0.0)
+                          <= args.max_other_load]  # fmt: skip
+                    use = ok if len(ok) >= 3 else range(len(sa))
+                    wall_pairs[key] += [sx[i]["wall"] / sa[i]["wall"] for i in use]
+                    cpu_pairs[key] += [sx[i]["cpu"] / sa[i]["cpu"] for i in range(len(sa))]
+                else:
+                    wall_pairs[key].append(runs["a"][-1]["tokens_per_s"] / runs[key][-1]["tokens_per_s"])
 
     table: dict[str, dict[str, Any]] = {}
     for key, rs in runs.items():
@@ -715,7 +746,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{'trainer':<11} {'tokens/s':>8} {'step ms':>8} {'in-step':>8} {'CPU ms':>8} {'faults':>8} "
         f"{'vs (b)':>7} {'CPU vs b':>8} {'MFU':>6} {'loss0':>8} {'max|dL|':>8} {'clean':>7}"
     )
-    for key in ("a", "b", "c", "d"):
+    for key in NAMES:
         if key in table:
             r = table[key]
             print(
@@ -733,16 +764,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(b); clean: steps during which other processes used <= {100 * args.max_other_load:.0f}% of the CPUs."
     )
 
-    headline = statistics.median(pairs) if pairs else None
-    if headline is not None:
-        verdict = "PASS" if headline >= 0.97 else "BELOW TARGET"
+    speedups = {
+        k: {
+            "wall": statistics.median(wall_pairs[k]) if wall_pairs[k] else None,
+            "cpu": statistics.median(cpu_pairs[k]) if cpu_pairs[k] else None,
+            "n": len(cpu_pairs[k]) or len(wall_pairs[k]),
+        }
+        for k in OTHERS
+        if k in table and "a" in table
+    }
+    if speedups:
         how = "median of per-step paired ratios" if args.schedule == "interleaved" else "median over repeats"
-        print(f"\nheadline (a)/(b) = {headline:.3f}  (target >= 0.97: {verdict}; {how}, n={len(pairs)})")
-        if cpu_pairs:
+        mode = "compiled" if args.compile else "eager"
+        print(f"\n(a) kforge ({mode}) speed-up over each contender (X time / (a) time, > 1: (a) faster; {how}):")
+        for k, r in speedups.items():
             print(
-                f"CPU-time (a)/(b) = {statistics.median(cpu_pairs):.3f}  (per-step paired; with --threads 1 "
-                "this one barely moves when other processes compete for the CPUs)"
+                f"  vs {NAMES[k]:<11} CPU time {_fmt(r['cpu'], '.3f'):>6}   wall {_fmt(r['wall'], '.3f'):>6}   n={r['n']}"
             )
+    losses_ok = all(r["max_loss_diff_to_b"] is None or r["max_loss_diff_to_b"] <= 1e-5 for r in table.values())
+    print(f"losses equal to (b) within 1e-5 at every step: {'yes' if losses_ok else 'NO'}")
+    headline = speedups.get("b", {}).get("wall")
     if any(r["contended"] for r in table.values()):
         print(
             "WARNING: other processes were busy during most steps (fewer than 3 clean steps for a trainer): the "
@@ -764,8 +805,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": args.repeats,
         "trainers": table,
         "skipped": skipped,
-        "paired_ratios_a_over_b": pairs,
-        "paired_cpu_ratios_a_over_b": cpu_pairs,
+        "compile": args.compile,
+        "paired_wall_speedups": wall_pairs,
+        "paired_cpu_speedups": cpu_pairs,
+        "speedups": speedups,
+        "losses_equal_1e-5": losses_ok,
         "headline_a_over_b": headline,
     }
     if args.json is not None:
