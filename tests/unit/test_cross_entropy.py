@@ -92,8 +92,8 @@ def test_no_logits_sized_zero_fill_and_fewer_logits_sized_writes():
     assert mode.ops == [], mode.ops
 
 
-def test_default_chunk_size_keeps_the_block_near_32_mib():
-    assert default_chunk_size(50304, 2048) == 166  # 166 x 50,304 x 4 B = 31.9 MiB
-    assert default_chunk_size(128256, 10**6) == 65
-    assert default_chunk_size(1000, 10) == 10  # never more than the tokens
-    assert default_chunk_size(10**9, 10) == 1
+def test_default_chunk_size_is_twice_dim_within_the_memory_cap():
+    assert default_chunk_size(50304, 2048, 256) == 512  # the CPU benchmark's shape: 98 MiB block
+    assert default_chunk_size(128256, 8192, 4096) == 523  # Llama-3 8B: capped at 256 MiB
+    assert default_chunk_size(1000, 10, 64) == 10  # never more than the tokens
+    assert default_chunk_size(10**9, 10, 64) == 1
