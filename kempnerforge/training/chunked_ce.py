@@ -39,15 +39,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """Forward computes the loss and both gradients; backward scales them (once: they are scaled in place)."""
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        chunk_size: int,
-        z_weight: float,
-        need_grad: bool,
-    ):
+    def forward(ctx, hidden, weight, labels, chunk_size: int, z_weight: float, need_grad: bool):
+        # Autocast would round some of the matmuls below and not others (out= and in-place ops are not cast):
+        # the dtypes are the inputs' (a mixed-precision policy's bf16 weight), the math after the logits fp32.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _LinearCrossEntropySum._forward(ctx, hidden, weight, labels, chunk_size, z_weight, need_grad)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, labels, chunk_size: int, z_weight: float, need_grad: bool):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         valid = labels != IGNORE_INDEX
         safe_y = torch.where(valid, labels, 0)

@@ -20,6 +20,11 @@ IGNORE_INDEX = -100
 class _CrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):
+        with torch.autocast(logits.device.type, enabled=False):  # fp32 math whatever autocast is on
+            return _CrossEntropySum._forward(ctx, logits, labels)
+
+    @staticmethod
+    def _forward(ctx, logits: torch.Tensor, labels: torch.Tensor):
         valid = labels != IGNORE_INDEX
         safe_y = torch.where(valid, labels, 0)
         target = logits.gather(1, safe_y[:, None]).squeeze(1).float()

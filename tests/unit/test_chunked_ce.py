@@ -68,6 +68,26 @@ def test_bf16_inputs_match_the_module_path_at_bf16_rounding():
     torch.testing.assert_close(w.grad, gw, rtol=1.6e-2, atol=1e-2 * gw.abs().max().item())
 
 
+def test_autocast_keeps_the_fused_loss_exact():
+    """Under bf16 autocast the fused path still computes fp32 logits from fp32 inputs (autocast is off inside it):
+    equal to F.cross_entropy of the fp32 logits, value and gradients, to 1e-6."""
+    torch.manual_seed(0)
+    h = torch.randn(33, 24, requires_grad=True)
+    w = torch.randn(301, 24, requires_grad=True)
+    y = torch.randint(0, 301, (33,))
+    y[:4] = IGNORE_INDEX
+    ref = F.cross_entropy(h @ w.t(), y, reduction="sum", ignore_index=IGNORE_INDEX)
+    ref.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = chunked_linear_cross_entropy_sum(h, w, y, 8)
+    out.backward()
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(h.grad, gh, rtol=1e-6, atol=1e-6 * gh.abs().max().item())
+    torch.testing.assert_close(w.grad, gw, rtol=1e-6, atol=1e-6 * gw.abs().max().item())
+
+
 def test_model_forward_with_labels_equals_logits_path_and_validates():
     model = Transformer(CFG)
     model.init_weights(seed=3)
