@@ -42,6 +42,7 @@ from kempnerforge.training.loss import (
     token_cross_entropy_sum,
     z_loss_sum,
 )
+from kempnerforge.training.loss_impl import FUSED_IMPLS, resolve_loss_impl, validate_loss_impl
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler
 from kempnerforge.training.moe_balance import MoEStepTracker
 from kempnerforge.training.optimizers import (
@@ -75,10 +76,10 @@ class CausalLM(LightningModule):
         grad_clip: max global L2 norm of the gradients (0 disables clipping; the norm is still logged). The
             only clipping: Lightning's ``trainer.gradient_clip_val`` is refused (:meth:`configure_gradient_clipping`).
         init_seed: seed of the weight init; the same seed gives the same weights on every mesh.
-        loss_chunk_size: 0 computes the full ``(batch, seq, vocab)`` logits and then the loss; N > 0
-            fuses the output head and cross-entropy over chunks of N tokens so the full fp32 logits
-            never exist (:mod:`kempnerforge.training.chunked_ce`; same value and gradient). Not with
-            ``tp > 1`` (loss parallel already keeps each rank's logits vocab-sharded).
+        loss_chunk_size: tokens per chunk of the fused head + cross-entropy (``loss_impl`` chunked; 0: the
+            default size, :func:`~kempnerforge.training.chunked_ce.default_chunk_size`); N > 0 also selects the
+            chunked path under ``loss_impl=auto``. Not with ``tp > 1`` (loss parallel already keeps each rank's
+            logits vocab-sharded) or ``pp > 1``.
         z_loss_weight: weight of the z-loss ``logsumexp(logits)^2`` per target token (PaLM,
             arXiv:2204.02311 sec. 5; PaLM used 1e-4), on the same global-token normalization as the
             cross-entropy; logged as ``train/z_loss`` (mean per token). 0 disables it.
@@ -88,14 +89,24 @@ class CausalLM(LightningModule):
             at ``init_weights``, each rank reading only its shard, and the optimizer and LR schedule start fresh
             (:mod:`kempnerforge.checkpoint.init_from`). The data's tokenizer defaults to the same folder. Like
             litgpt's ``--initial_checkpoint_dir``. None: random init.
+        loss_impl: how the head + cross-entropy is computed (:mod:`kempnerforge.training.loss_impl`): ``auto``
+            (default: ``chunked`` with tp=1 and pp=1, else ``torch``), ``torch`` (full logits, then the
+            cross-entropy; vocab-parallel with TP), ``chunked`` (the head fused with the loss over token chunks:
+            no logits-sized tensor; same value and gradients) or ``liger`` (Liger-Kernel on CUDA, the ``gpu``
+            extra; 2 host syncs per micro-batch of its own).
 
     Raises:
         ValueError: ``grad_clip``, ``loss_chunk_size`` or ``z_loss_weight`` < 0 (configs validate their own fields);
+            ``loss_impl`` not one of the above, or ``loss_chunk_size > 0`` with ``torch`` / ``liger``;
             ``schedule_free_adamw`` with a decaying LR schedule.
         UserError: ``init_from`` missing, without ``config.json``, of an unsupported architecture, or a
             ``model.config`` field that conflicts with it.
-        MeshConfigError: ``loss_chunk_size > 0`` with ``tp > 1`` (in :meth:`validate_parallel`).
+        MeshConfigError: ``loss_chunk_size > 0`` or a fused ``loss_impl`` with ``tp > 1`` or ``pp > 1`` (in
+            :meth:`validate_parallel`).
     """
+
+    #: Whether the model can compute its loss from its hidden states (the fused head + loss paths).
+    fused_head: bool = True
 
     def __init__(
         self,
@@ -107,6 +118,7 @@ class CausalLM(LightningModule):
         loss_chunk_size: int = 0,
         z_loss_weight: float = 0.0,
         init_from: str | None = None,
+        loss_impl: str = "auto",
     ) -> None:
         super().__init__()
         if init_from is not None:  # before anything else: the architecture is the checkpoint's
@@ -119,10 +131,12 @@ class CausalLM(LightningModule):
         if z_loss_weight < 0:
             raise ValueError(f"z_loss_weight={z_loss_weight} must be >= 0 (PaLM uses 1e-4; 0 disables it).")
         self.z_loss_weight = z_loss_weight
-        if loss_chunk_size < 0:
-            raise ValueError(f"loss_chunk_size={loss_chunk_size} must be >= 0 (0: full logits, N: chunks of N tokens).")
+        validate_loss_impl(loss_impl, loss_chunk_size)
         check_optimizer_schedule(optimizer, scheduler)
         self.loss_chunk_size = loss_chunk_size
+        self.loss_impl = loss_impl
+        # Resolved again by validate_parallel with the mesh's tp / pp (a stock strategy: one process, no TP).
+        self.resolved_loss_impl = resolve_loss_impl(loss_impl, loss_chunk_size, fused_ok=self.fused_head)
         self.config = config
         self.optimizer_config = optimizer
         self.scheduler_config = scheduler
@@ -139,6 +153,7 @@ class CausalLM(LightningModule):
                 "loss_chunk_size": loss_chunk_size,
                 "z_loss_weight": z_loss_weight,
                 "init_from": init_from,
+                "loss_impl": loss_impl,
             }
         )
         self.model: Transformer | None = None
@@ -159,19 +174,17 @@ class CausalLM(LightningModule):
 
         Raises:
             MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
-                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``loss_chunk_size > 0`` with ``tp > 1``.
+                (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``loss_chunk_size > 0`` or a fused
+                ``loss_impl`` with ``tp > 1`` or ``pp > 1`` (:func:`~kempnerforge.training.loss_impl.resolve_loss_impl`).
             ValueError: ``ep > 1`` without MoE or ``num_experts`` not divisible by ``ep``
                 (:func:`kempnerforge.parallel.expert_parallel.validate_ep`).
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
         validate_ep(dims.ep, cfg.num_experts)
-        if self.loss_chunk_size and dims.tp > 1:
-            raise MeshConfigError(
-                f"model.loss_chunk_size={self.loss_chunk_size} needs tp=1 (got tp={dims.tp}): with tensor "
-                "parallelism the head is vocab-sharded and loss_parallel already avoids full logits; set "
-                "model.loss_chunk_size=0."
-            )
+        self.resolved_loss_impl = resolve_loss_impl(
+            self.loss_impl, self.loss_chunk_size, tp=dims.tp, pp=dims.pp, fused_ok=self.fused_head
+        )
 
     @override
     def setup(self, stage: str) -> None:
@@ -225,13 +238,14 @@ class CausalLM(LightningModule):
         count (:meth:`_record_step`); logs lr and tokens seen (tokens/s and MFU: the
         :class:`~kempnerforge.callbacks.MFUMonitor` callback)."""
         labels, w = batch["labels"], self.z_loss_weight
-        if self.loss_chunk_size:
+        if self.resolved_loss_impl in FUSED_IMPLS:
             total, z_sum = self.model(
                 batch["input_ids"],
                 labels=labels,
                 loss_chunk_size=self.loss_chunk_size,
                 z_loss_weight=w,
                 doc_ids=batch.get("doc_ids"),
+                loss_impl=self.resolved_loss_impl,
             )
             # z_sum is a constant here: total - w * z_sum has the CE value and total's gradient.
             return self._record_step(batch, batch_idx, total - w * z_sum, (labels != IGNORE_INDEX).sum(), z_sum)
@@ -330,10 +344,11 @@ class CausalLM(LightningModule):
 
     def _validation_loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's summed target-token cross-entropy (fp32 scalar, nats) and target count, as training
-        computes it: the chunked head with ``loss_chunk_size > 0``, vocab-parallel on sharded TP logits, so
-        validation never holds a vocab-sized tensor a training step did not (no z-loss: it is not logged)."""
+        computes it: the fused head + loss (chunked, also for ``liger``: no gradient buffers), vocab-parallel on
+        sharded TP logits, so validation never holds a vocab-sized tensor a training step did not (no z-loss: it
+        is not logged)."""
         labels = batch["labels"]
-        if self.loss_chunk_size:
+        if self.resolved_loss_impl in FUSED_IMPLS:
             loss_sum, _ = self.model(
                 batch["input_ids"], labels=labels, loss_chunk_size=self.loss_chunk_size, doc_ids=batch.get("doc_ids")
             )
@@ -480,12 +495,15 @@ class VisionLanguage(CausalLM):
         freeze: what trains at the start (a ``FreezeSchedule`` callback may change it by step).
         optimizer, scheduler, grad_clip, init_seed, z_loss_weight: as :class:`CausalLM`.
         loss_chunk_size: must be 0 (the backbone returns logits; chunked loss is text-decoder only).
+        loss_impl: ``auto`` or ``torch`` (both: the logits path with the in-place cross-entropy).
 
     Raises:
-        ValueError: ``loss_chunk_size`` != 0 (at construction); the data's text length beyond what
+        ValueError: ``loss_chunk_size`` != 0 or a fused ``loss_impl`` (at construction); the data's text length beyond what
             ``max_seq_len`` allows for the arch (in :meth:`setup`).
         MeshConfigError: parallel settings the VLM does not support (in :meth:`validate_parallel`).
     """
+
+    fused_head = False  # the backbones return logits
 
     def __init__(
         self,
@@ -500,7 +518,10 @@ class VisionLanguage(CausalLM):
         init_seed: int = 0,
         loss_chunk_size: int = 0,
         z_loss_weight: float = 0.0,
+        loss_impl: str = "auto",
     ) -> None:
+        if loss_impl in FUSED_IMPLS:
+            raise ValueError(f"model.loss_impl={loss_impl} is not supported by VisionLanguage; use auto or torch.")
         if loss_chunk_size:
             raise ValueError(
                 f"model.loss_chunk_size={loss_chunk_size} is not supported by VisionLanguage; set it to 0."
@@ -509,7 +530,9 @@ class VisionLanguage(CausalLM):
             raise ValueError(
                 f"model.config.attention={config.attention!r} is not supported by VisionLanguage; allowed: 'gqa'"
             )
-        super().__init__(config, optimizer, scheduler, grad_clip, init_seed, loss_chunk_size, z_loss_weight)
+        super().__init__(
+            config, optimizer, scheduler, grad_clip, init_seed, loss_chunk_size, z_loss_weight, loss_impl=loss_impl
+        )
         self.vlm_config, self.encoder_config, self.connector_config, self.freeze = vlm, encoder, connector, freeze
         self._skipped_clips: torch.Tensor | None = None  # this rank's count since the run started
         self._visual_positions: int | None = None  # visual tokens per sample in the last batch

@@ -13,6 +13,7 @@ configs, the files and the world size the cluster environment already knows (:fu
   :func:`~kempnerforge.checkpoint.init_from.check_hf_weights`);
 - the mesh: degrees against the world size, the model's and the data's parallel rules
   (:meth:`KempnerStrategy.check_layout`), the data's lengths against the model (``check_data``);
+- ``model.loss_impl=liger`` on a CUDA accelerator with liger-kernel installed (:func:`check_loss_impl`);
 - the checkpoint folder (``fit``, global rank 0): writable, with room for one checkpoint of the estimated
   size (:func:`checkpoint_bytes`).
 
@@ -164,6 +165,27 @@ def check_layout(trainer: Any, module: Any, datamodule: Any, world: WorldSpec) -
         check_data(datamodule)
 
 
+def check_loss_impl(trainer: Any, module: Any) -> None:
+    """``model.loss_impl=liger`` needs a CUDA accelerator and liger-kernel (refused here, before any rank starts).
+
+    Raises:
+        UserError: ``model.loss_impl`` is ``liger`` on another accelerator or without liger-kernel installed.
+    """
+    if getattr(module, "loss_impl", None) != "liger":
+        return
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    if not isinstance(trainer.accelerator, CUDAAccelerator):
+        raise UserError(
+            "model.loss_impl",
+            "liger runs Liger-Kernel's Triton kernels on CUDA only; use auto, torch or chunked on this accelerator",
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise UserError("model.loss_impl", "liger needs liger-kernel: pip install 'kempnerforge[gpu]'")
+
+
 def checkpoint_bytes(module: Any) -> int | None:
     """Estimated bytes of one checkpoint of ``module``: fp32 parameters plus their optimizer state (None when
     the module does not describe its size: not a ``CausalLM``).
@@ -284,6 +306,7 @@ def preflight(
         check_hf_weights(init_from, module.config)
     check_ckpt_path(strategy, ckpt_path, world)
     check_layout(trainer, module, datamodule, world)
+    check_loss_impl(trainer, module)
     if subcommand == "fit" and world.rank == 0:
         for folder in checkpoint_folders(trainer):
             check_checkpoint_folder(folder, lambda: checkpoint_bytes(module))

@@ -8,8 +8,9 @@ When a configuration does not fit, candidates are scored:
 
 - estimated (simulated again on the worst role, with the one change): ``activation_checkpointing`` =
   ``selective_op`` (from none / selective) and ``full``,
-  a halved ``data.micro_batch_size``, ``model.loss_chunk_size`` (the fused head + loss never holds the full
-  logits), the knobs whose effect on activations is not proportional;
+  a halved ``data.micro_batch_size``, ``model.loss_impl=chunked`` when the run computes full logits (the fused
+  head + loss never holds them; ``auto`` already fuses at tp=1 without a pipeline), the knobs whose effect on
+  activations is not proportional;
 - reasoned from the peak's breakdown: more GPUs for FSDP2 (parameters, gradients and optimizer states
   divide by the ``dp_shard`` factor), and a doubled ``tp`` at the same world size (activations and gathered
   weights halve; states stay, being sharded over ``dp_shard x tp`` either way).
@@ -136,8 +137,8 @@ def _estimated(module, strategy, datamodule, subclass_mode: bool, reestimate, bu
         key = "--data.init_args.micro_batch_size" if subclass_mode else "--data.micro_batch_size"
         candidates.append(("micro_batch_size", [f"{key}={mb // 2}"]))
     chunkable = strategy.parallel_mesh.dims.tp == 1 and strategy.pipeline is None and not _is_vlm(module)
-    if chunkable and getattr(module, "loss_chunk_size", 0) == 0:
-        candidates.append(("loss_chunk_size", ["--model.loss_chunk_size=1024"]))
+    if chunkable and getattr(module, "resolved_loss_impl", "torch") == "torch":  # auto already fuses here
+        candidates.append(("loss_impl", ["--model.loss_impl=chunked"]))
     out = []
     for knob, overrides in candidates:
         peak, flops_per_token = reestimate(overrides)

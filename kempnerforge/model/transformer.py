@@ -20,7 +20,7 @@ from kempnerforge.model.moe import MoE
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import model_rope_tables, pack_rope, unpack_rope
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
-from kempnerforge.training.chunked_ce import chunked_linear_cross_entropy_sum
+from kempnerforge.training.loss_impl import fused_head_loss
 
 
 class TransformerBlock(nn.Module):
@@ -114,23 +114,27 @@ class Transformer(nn.Module):
         loss_chunk_size: int = 0,
         z_loss_weight: float = 0.0,
         doc_ids: torch.Tensor | None = None,
+        loss_impl: str = "chunked",
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab_size) for ``tokens`` (batch, seq) at positions 0..seq-1.
 
-        With ``labels`` (batch, seq) and ``loss_chunk_size > 0`` it returns instead ``(loss_sum, z_sum)``:
-        the summed token cross-entropy plus ``z_loss_weight * z_sum`` (fp32 scalar, nats; ``-100``
-        labels ignored) and the summed squared log-normalizers, from the head fused with the loss
-        over chunks of ``loss_chunk_size`` tokens
-        (:func:`kempnerforge.training.chunked_ce.chunked_linear_cross_entropy_sum`). That runs inside
-        ``forward`` so FSDP2 still holds the all-gathered head weight.
+        With ``labels`` (batch, seq) it returns instead ``(loss_sum, z_sum)``: the summed token
+        cross-entropy plus ``z_loss_weight * z_sum`` (fp32 scalar, nats; ``-100`` labels ignored) and the
+        summed squared log-normalizers, from the head fused with the loss: ``loss_impl="chunked"`` over
+        chunks of ``loss_chunk_size`` tokens (0: the default size;
+        :func:`kempnerforge.training.chunked_ce.chunked_linear_cross_entropy_sum`), ``"liger"`` with
+        Liger-Kernel on CUDA (:func:`kempnerforge.training.loss_impl.liger_linear_cross_entropy_sum`). That
+        runs inside ``forward`` so FSDP2 still holds the all-gathered head weight; the head module itself is
+        not called (its weight is read), so it needs a plain, not vocab-sharded (TP), weight.
 
         ``doc_ids`` (batch, seq) int marks packed documents (:mod:`kempnerforge.data.packing`): no token
         attends across a document boundary (:func:`~kempnerforge.model.attention.document_attention_mask`);
         positions (RoPE) stay those of the window, as in torchtitan and Megatron-LM.
 
         Raises:
-            ValueError: if seq > config.max_seq_len (the RoPE tables end there), or ``labels`` given
-                without ``loss_chunk_size > 0``.
+            ValueError: if seq > config.max_seq_len (the RoPE tables end there); ``labels`` with a
+                ``loss_impl`` other than ``chunked`` / ``liger``, a negative ``loss_chunk_size`` or a
+                vocab-sharded head weight.
         """
         seq = tokens.shape[1]
         if seq > self.rope_cos.shape[0]:
@@ -144,11 +148,7 @@ class Transformer(nn.Module):
             h = layer(h, rope, mask)
         if labels is None:
             return self.output(self.norm(h))
-        if loss_chunk_size < 1:
-            raise ValueError(f"Transformer.forward with labels needs loss_chunk_size >= 1, got {loss_chunk_size}.")
-        return chunked_linear_cross_entropy_sum(
-            self.norm(h), self.output.weight, labels, loss_chunk_size, z_loss_weight
-        )
+        return fused_head_loss(self.norm(h), self.output.weight, labels, loss_impl, loss_chunk_size, z_loss_weight)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

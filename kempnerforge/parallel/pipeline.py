@@ -186,7 +186,7 @@ def validate_pipeline_run(
     """The pp rules that need the LightningModule and the datamodule (no-op for ``pp=1``).
 
     Checks :func:`validate_pipeline_model` on ``module.config``, refuses loss options the last stage
-    does not compute (the module's ``loss_chunk_size`` / ``z_loss_weight``, the data's
+    does not compute (the module's ``loss_chunk_size`` / a fused ``loss_impl`` / ``z_loss_weight``, the data's
     ``document_masking``), and checks the micro-batch count against ``datamodule.micro_batch_size``
     (:func:`validate_microbatches`).
 
@@ -212,6 +212,8 @@ def validate_pipeline_run(
     )
     for field, value in (
         ("model.loss_chunk_size", getattr(module, "loss_chunk_size", 0)),
+        # the fused head + loss: the last stage computes the loss from logits (auto resolves to torch there)
+        ("model.loss_impl", getattr(module, "loss_impl", "auto") in ("chunked", "liger") and module.loss_impl),
         ("model.z_loss_weight", getattr(module, "z_loss_weight", 0.0)),
         # the data module's own name for it (ChatDataModule: data.packing, a property behind document_masking)
         (

@@ -17,9 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from kempnerforge.parallel.grad_clip import scale_grads_
-
-#: Label value excluded from the loss (PyTorch / Hugging Face convention).
-IGNORE_INDEX = -100
+from kempnerforge.training.cross_entropy import IGNORE_INDEX, softmax_cross_entropy_sum
 
 
 def loss_parallel_context(active: bool) -> contextlib.AbstractContextManager:
@@ -39,6 +37,8 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     under ``loss_parallel()`` (max / sum-exp / target-logit all-reduces of ``(batch * seq)`` floats,
     Megatron-LM arXiv:1909.08053 sec. 3) without gathering the ``(batch, seq, vocab)`` logits, and
     returned as a plain tensor equal on every TP rank (its backward needs :func:`loss_parallel_context`).
+    A plain tensor goes through :func:`~kempnerforge.training.cross_entropy.softmax_cross_entropy_sum`
+    (same value and gradient as ``F.cross_entropy``; its backward makes no logits-sized zero-fill).
 
     Args:
         logits: ``(batch, seq, vocab)`` tensor or vocab-sharded DTensor, any float dtype.
@@ -53,7 +53,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
                 logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
         return loss.full_tensor()  # Replicate over TP already: no communication
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return softmax_cross_entropy_sum(logits.flatten(0, 1), labels.flatten())
 
 
 def global_token_cross_entropy(

@@ -1,8 +1,9 @@
 """Every parallel layout equals one process on the same global batch (8 sequences x 32 tokens).
 
 For each case, 5 training steps on gloo ranks give losses and gradient norms within 1e-5 relative of
-the single-process run: FSDP2 (dp_shard 2 and 4, the latter with the head fused into chunked
-cross-entropy), HSDP (2 x 2), TP=2, TP=2 + FSDP2=2, sequence
+the single-process run on full logits (``loss_impl=torch``): FSDP2 (dp_shard 2 and 4, both with the default head
+fused into chunked cross-entropy, the latter with chunks of 64 tokens), HSDP (2 x 2), TP=2 and TP=2 + FSDP2=2 (the
+logits path with loss parallel, which ``loss_impl=auto`` resolves to there), sequence
 parallel, activation checkpointing (full, every 2nd block, op-level selective under TP + SP), and
 per-block compile. The micro-batch is 8 / (number of data-parallel ranks), so every layout sees
 the same 8 sequences per step.
@@ -49,9 +50,11 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def single(shakespeare_tokens, tmp_path_factory):
-    """The reference: one process, the whole global batch, no AC, no compile."""
+    """The reference: one process, the whole global batch, no AC, no compile, full logits and the cross-entropy
+    (``loss_impl=torch``), so every layout that runs the default fused head + loss (auto) is compared with it."""
     out = tmp_path_factory.mktemp("single") / "record.json"
-    return train(1, shakespeare_tokens, out, "--steps", str(STEPS), "--micro-batch", str(GLOBAL_BATCH))
+    args = ("--steps", str(STEPS), "--micro-batch", str(GLOBAL_BATCH), "--loss-impl", "torch")
+    return train(1, shakespeare_tokens, out, *args)
 
 
 @pytest.fixture(scope="session")

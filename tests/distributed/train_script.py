@@ -120,6 +120,7 @@ def fit(args: argparse.Namespace, ckpt_dir: str | None, ckpt_path: str | None):
         scheduler=SchedulerConfig(warmup_steps=5, total_steps=40),
         grad_clip=1.0,
         loss_chunk_size=args.loss_chunk_size,
+        loss_impl=args.loss_impl,
     )
     data = TokenDataModule(
         data_dir=args.data, seq_len=args.seq_len, micro_batch_size=args.micro_batch, val_fraction=0.1, data_seed=0
@@ -197,7 +198,8 @@ def main() -> None:
     p.add_argument("--moe", action="store_true", help="train the MoE variant of the tiny model")
     p.add_argument("--num-experts", type=int, default=8, help="with --moe")
     p.add_argument("--top-k", type=int, default=2, help="with --moe")
-    p.add_argument("--loss-chunk-size", type=int, default=0, help="CausalLM.loss_chunk_size (0: full logits)")
+    p.add_argument("--loss-chunk-size", type=int, default=0, help="CausalLM.loss_chunk_size (0: the default size)")
+    p.add_argument("--loss-impl", default="auto", help="CausalLM.loss_impl (auto: chunked at tp=1 and pp=1)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--no-loss-parallel", action="store_true")
     p.add_argument("--record-batches", default=None, help="folder: each rank writes its batches as JSON")

@@ -56,10 +56,12 @@ def _reference_loss(module: CausalLM, rows) -> float:
     return total / count
 
 
-@pytest.mark.parametrize("chunk", [0, CHUNK], ids=["full_logits", "chunked"])
-def test_val_loss_is_the_token_weighted_ce_and_ppl_its_exp(chunk):
+@pytest.mark.parametrize(
+    "impl,chunk", [("torch", 0), ("auto", CHUNK), ("auto", 0)], ids=["full_logits", "chunked", "default"]
+)
+def test_val_loss_is_the_token_weighted_ce_and_ppl_its_exp(impl, chunk):
     rows = _text_batches(2)
-    module = CausalLM(CFG, init_seed=1, loss_chunk_size=chunk)
+    module = CausalLM(CFG, init_seed=1, loss_chunk_size=chunk, loss_impl=impl)
     metrics = _trainer().validate(module, DataLoader(rows, batch_size=BATCH), verbose=False)[0]
     assert metrics["val/loss"] == pytest.approx(_reference_loss(module, rows), rel=1e-6)
     assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-6)
@@ -123,12 +125,12 @@ def _total(snapshot: dict) -> int:
     return sum(per_device["Total"] for per_device in snapshot.values())
 
 
-def _peaks(chunk: int) -> _PeakMemory:
+def _peaks(chunk: int, impl: str = "auto") -> _PeakMemory:
     probe = _PeakMemory()
     trainer = _trainer(max_steps=2, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
                        callbacks=[probe])  # fmt: skip
     trainer.fit(
-        CausalLM(CFG, init_seed=1, loss_chunk_size=chunk),
+        CausalLM(CFG, init_seed=1, loss_chunk_size=chunk, loss_impl=impl),
         DataLoader(_text_batches(2), batch_size=BATCH),
         DataLoader(_text_batches(1, seed=1), batch_size=BATCH),
     )
@@ -142,7 +144,7 @@ def test_chunked_validation_peak_is_below_the_training_step_peak():
     4,096: 8 MiB of fp32 logits): chunked, training step 9.8 MiB peak, validation 5.4 MiB peak of which 2.1 MiB (two chunk-sized blocks)
     above the resident weights, gradients and AdamW state; with full logits validation rises 16 MiB (the
     validation before this change ran the full-logits path whatever loss_chunk_size said, plus a second softmax)."""
-    chunked, full = _peaks(CHUNK), _peaks(0)
+    chunked, full = _peaks(CHUNK), _peaks(0, "torch")
     mib = 2**20
     print(f"peak MiB: chunked train {chunked.train[-1] / mib:.2f} val {chunked.val[0] / mib:.2f} "
           f"(+{chunked.val_rise[0] / mib:.2f}); full-logits train {full.train[-1] / mib:.2f} "
