@@ -21,7 +21,7 @@ are checked to agree (max abs difference printed).
 
     python benchmarks/compile_parts.py                      # all parts, 1 thread (~6 min cold, 2 cores)
     python benchmarks/compile_parts.py --parts blocks,ce --reps 20 --threads 2
-    python benchmarks/compile_parts.py --dim 128 --n-heads 4 --n-kv-heads 2 --vocab 50257   # configs/debug.yaml
+    python benchmarks/compile_parts.py --dim 128 --n-heads 4 --n-kv-heads 2 --vocab 50257 --multiple-of 64 --tie  # debug.yaml
 
 Set ``TORCHINDUCTOR_CACHE_DIR`` to reuse compiled code between runs.
 """
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--n-kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--multiple-of", type=int, default=256, help="SwiGLU hidden rounding (configs/debug.yaml: 64)")
+    p.add_argument("--tie", action="store_true", help="tie the head to the embedding (configs/debug.yaml)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args(argv)
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"--parts: unknown {unknown}; allowed: {', '.join(PARTS)}")
     cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                      vocab_size=args.vocab, max_seq_len=args.seq_len)  # fmt: skip
+                      vocab_size=args.vocab, max_seq_len=args.seq_len, multiple_of=args.multiple_of,
+                      tie_embeddings=args.tie)  # fmt: skip
     print(f"torch {torch.__version__}, {args.threads} thread(s); dim {cfg.dim}, {cfg.n_layers} layers, vocab "
           f"{cfg.vocab_size}, seq {args.seq_len}, batch {args.batch_size}; CPU ms = median process time per rep")  # fmt: skip
     for part, variants in build_parts(cfg, args.batch_size, args.seq_len, which).items():

@@ -4,8 +4,8 @@ A tiny dense decoder trained 5 AdamW steps eagerly and with ``compile=True`` fro
 losses agree within 1e-5 (fp32), and after the first step nothing recompiles: one graph for all blocks (they
 share ``TransformerBlock.forward`` and dynamo's ``inline_inbuilt_nn_modules`` makes parameters graph inputs,
 so FSDP2's per-step unsharded parameters, the per-call RoPE tensor and ``key_mask=None`` add no guards that
-fail), no graph breaks, no recompilation. With full activation checkpointing too (the checkpoint wrapper is
-compiled with the block). Backend ``aot_eager``: dynamo capture and AOT autograd without inductor's code
+fail), no graph breaks, no recompilation. With full and op-level selective activation checkpointing too (the
+checkpoint wrapper is compiled with the block). Backend ``aot_eager``: dynamo capture and AOT autograd without inductor's code
 generation (minutes cold on 2 cores); inductor's numerics are in benchmarks/compile_parts.py.
 """
 
@@ -65,7 +65,7 @@ def eager() -> _Record:
     return _fit(compile=False, ac="none")
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("ac", ["none", "full", "selective_op"])  # selective_op: the cluster recipes' AC
 def test_compiled_blocks_equal_eager_and_compile_once(eager, ac):
     compiled = _fit(compile=True, ac=ac)
     assert len(compiled.losses) == len(eager.losses) == STEPS
