@@ -50,7 +50,6 @@ How to run
     python benchmarks/cpu_throughput.py --only a,b --steps 20 --json /tmp/bench.json
     python benchmarks/cpu_throughput.py --dim 512 --n-layers 8 --n-kv-heads 4 --threads 1
     python benchmarks/cpu_throughput.py --schedule sequential --repeats 3
-    python benchmarks/cpu_throughput.py --compile --threads 1   # (a) per-block compiled vs eager (b), (c), (d)
 
 (d) needs litgpt without its pinned dependencies (they would replace torch):
 ``pip install --no-deps litgpt psutil``.
@@ -496,7 +495,7 @@ def run_kforge(cfg: ModelConfig, batches: list[Batch], args, others: list[PlainT
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=KempnerStrategy(cpu_keep_freed_memory=args.keep_freed_memory, compile=args.compile),
+        strategy=KempnerStrategy(cpu_keep_freed_memory=args.keep_freed_memory),
         precision="32-true",
         max_steps=len(batches),
         logger=False,
@@ -575,11 +574,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every trainer runs with glibc keeping freed memory (KempnerStrategy(cpu_keep_freed_memory=True));\n"
         "~30%% faster steps for all, but the heap grows without bound with (c) or (d): use with --only a,b",
     )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="(a) runs with KempnerStrategy(compile=True) (per-block inductor compile); the others stay eager",
-    )
     p.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -657,7 +651,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"run     : {args.schedule}, {args.warmup} warmup + {args.steps} measured steps per trainer, "
         f"{args.repeats} repeat(s), grad_clip {args.grad_clip}, fp32, gc off while timing"
-        + (", (a) compiled" if args.compile else "")
     )
     if args.wait_idle > 0:
         wait_until_idle(args.wait_idle, args.max_other_load)
