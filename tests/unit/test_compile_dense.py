@@ -1,12 +1,14 @@
 """Per-block compile of dense blocks through the real loop (Trainer + KempnerStrategy + FSDP2 + CausalLM).
 
 A tiny dense decoder trained 5 AdamW steps eagerly and with ``compile=True`` from the same weights: the step
-losses agree within 1e-5 (fp32), and after the first step nothing recompiles: one graph for all blocks (they
-share ``TransformerBlock.forward`` and dynamo's ``inline_inbuilt_nn_modules`` makes parameters graph inputs,
-so FSDP2's per-step unsharded parameters, the per-call RoPE tensor and ``key_mask=None`` add no guards that
-fail), no graph breaks, no recompilation. With full and op-level selective activation checkpointing too (the
-checkpoint wrapper is compiled with the block). Backend ``aot_eager``: dynamo capture and AOT autograd without inductor's code
-generation (minutes cold on 2 cores); inductor's numerics are in benchmarks/compile_parts.py.
+losses agree within 1e-5 (fp32, and bf16 parameters, with which FSDP2 wraps the blocks even at world size 1),
+and after the first step nothing recompiles: one graph for all blocks (they share ``TransformerBlock.forward``
+and dynamo's ``inline_inbuilt_nn_modules`` makes parameters graph inputs, so FSDP2's per-step unsharded
+parameters, the per-call RoPE tensor and ``key_mask=None`` add no guard that fails), no graph breaks, no
+recompilation. With full and op-level selective activation checkpointing too (the checkpoint wrapper is
+compiled with the block). Backend ``aot_eager``: dynamo capture and AOT autograd without inductor's code
+generation (minutes cold on 2 cores); inductor's numerics are checked by benchmarks/compile_parts.py and
+benchmarks/cpu_throughput.py --compile (max|dL|).
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ def _snapshot() -> dict[str, int]:
     }
 
 
-def _fit(compile: bool, ac: str) -> _Record:
+def _fit(compile: bool, ac: str, param_dtype: str = "auto") -> _Record:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, CFG.vocab_size, (4 * STEPS, 17), generator=g)
     batches = [{"input_ids": r[:-1], "labels": r[1:]} for r in ids]
     record = _Record()
-    strategy = KempnerStrategy(compile=compile, compile_backend="aot_eager", activation_checkpointing=ac)
+    strategy = KempnerStrategy(compile=compile, compile_backend="aot_eager", activation_checkpointing=ac,
+                               mixed_precision_param=param_dtype)  # fmt: skip
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=STEPS, limit_val_batches=0,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[record])  # fmt: skip
@@ -60,14 +63,25 @@ def _fit(compile: bool, ac: str) -> _Record:
     return record
 
 
-@pytest.fixture(scope="module")
-def eager() -> _Record:
-    return _fit(compile=False, ac="none")
+_EAGER: dict[str, _Record] = {}
 
 
-@pytest.mark.parametrize("ac", ["none", "full", "selective_op"])  # selective_op: the cluster recipes' AC
-def test_compiled_blocks_equal_eager_and_compile_once(eager, ac):
-    compiled = _fit(compile=True, ac=ac)
+@pytest.mark.parametrize(
+    ("ac", "param_dtype"),
+    [
+        ("none", "auto"),
+        ("full", "auto"),
+        ("selective_op", "auto"),  # the cluster recipes' AC
+        # bf16 parameters: FSDP2 wraps even at world size 1 (its MixedPrecisionPolicy casts), so its per-block
+        # hooks run around the compiled blocks.
+        ("none", "bfloat16"),
+    ],
+)
+def test_compiled_blocks_equal_eager_and_compile_once(ac, param_dtype):
+    if param_dtype not in _EAGER:
+        _EAGER[param_dtype] = _fit(compile=False, ac="none", param_dtype=param_dtype)
+    eager = _EAGER[param_dtype]
+    compiled = _fit(compile=True, ac=ac, param_dtype=param_dtype)
     assert len(compiled.losses) == len(eager.losses) == STEPS
     assert max(abs(a - b) for a, b in zip(compiled.losses, eager.losses, strict=True)) < 1e-5
     assert compiled.after_first == {"graphs": 1, "breaks": 0, "recompiles": 0}  # one graph serves both blocks
