@@ -8,7 +8,7 @@ connector, plain: fused and foreach kernels, which run per group, refuse a mix).
 by parameter, so Lightning, FSDP2 (DTensor parameters) and DCP checkpoints treat them alike.
 
 Sources:
-- AdamW: Loshchilov & Hutter, arXiv:1711.05101 (``torch.optim.AdamW``, fused kernel on CUDA).
+- AdamW: Loshchilov & Hutter, arXiv:1711.05101 (``torch.optim.AdamW``, fused kernel on CUDA and CPU).
 - Muon: Jordan et al. 2024 (https://kellerjordan.github.io/posts/muon/), ``torch.optim.Muon``;
   ``adjust_lr_fn="match_rms_adamw"`` is Moonlight's update scaling (Liu et al., arXiv:2502.16982),
   which lets Muon reuse an AdamW learning rate and weight decay.
@@ -60,7 +60,8 @@ class OptimizerConfig:
     decay_embeddings: bool = False
     """Also decay embedding tables (and a head tied to them)."""
     fused: bool | None = None
-    """Use the fused AdamW kernel (None: on CUDA only). AdamW only."""
+    """Use the fused AdamW kernel (None: on CUDA and CPU, the devices torch has it for; on CPU it is 6x faster than
+    foreach and 2x faster than a ``torch.compile`` d foreach step, see benchmarks/compile_parts.py). AdamW only."""
     foreach: bool | None = None
     """Use the foreach (multi-tensor) AdamW implementation (None: torch's choice when not fused). AdamW only."""
     muon_momentum: float = 0.95
@@ -129,15 +130,20 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     return groups
 
 
+#: Devices where ``torch.optim.AdamW(fused=True)`` has a kernel and ``fused=None`` picks it.
+_FUSED_DEVICES = ("cuda", "cpu")
+
+
 def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups` of ``model`` (works on FSDP2 / TP DTensor parameters, any mix).
 
-    Fused on CUDA unless ``cfg.fused`` / ``cfg.foreach`` say otherwise (CPU has a fused kernel too).
+    Fused on CUDA and CPU (one pass over each parameter's state, no host read of the step count) unless
+    ``cfg.fused`` / ``cfg.foreach`` say otherwise; foreach elsewhere.
     """
     params = list(model.parameters())
     fused = cfg.fused
     if fused is None:
-        fused = not cfg.foreach and bool(params) and params[0].device.type == "cuda"
+        fused = not cfg.foreach and bool(params) and params[0].device.type in _FUSED_DEVICES
     return torch.optim.AdamW(
         param_groups(model, cfg),
         lr=cfg.lr,
