@@ -31,7 +31,7 @@ module imported them first.
 
 How to run
 ----------
-    python benchmarks/startup.py                          # 5 pairs, 2 phase runs (~3 min on 2 cores)
+    python benchmarks/startup.py                          # 5 pairs, 2 phase runs: 16 fresh processes
     python benchmarks/startup.py --pairs 9 --json /tmp/startup.json
     python benchmarks/startup.py --pairs 0 --phase-runs 1  # only the breakdown
 """
