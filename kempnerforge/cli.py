@@ -127,7 +127,20 @@ class KForgeCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, parser_class: type = KForgeArgumentParser, **kwargs: Any) -> None:
+        # What Lightning will parse: `args`, else sys.argv (`args` given by position, after 11 others: build all).
+        if "args" in kwargs:
+            argv = sys.argv[1:] if kwargs["args"] is None else kwargs["args"]
+        else:
+            argv = sys.argv[1:] if len(args) <= 2 else None
+        self._requested = requested_subcommand(argv)
         super().__init__(*args, parser_class=parser_class, **kwargs)
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override] - Lightning's is a staticmethod
+        """Lightning's subcommands, only the one on the command line when it names one (:func:`requested_subcommand`):
+        each subcommand's parser holds every Trainer, model and data argument, so building all four parsers made the
+        parser build about four times as long as the one that runs needs."""
+        every = LightningCLI.subcommands()
+        return {self._requested: every[self._requested]} if self._requested in every else every
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -221,6 +234,15 @@ class KForgeCLI(LightningCLI):
         held = _HELD.get()
         if held is not None:
             held.show()
+
+
+def requested_subcommand(args: Any) -> str | None:
+    """The Lightning subcommand a command line starts with (``fit`` for ``fit --config ...``); None when it starts
+    otherwise (``--print_config``, a main-level ``--config`` first) or ``args`` is a parsed config (dict, Namespace),
+    and then every subcommand's parser is built, as Lightning does."""
+    if not isinstance(args, (list, tuple)) or not args or not isinstance(args[0], str):
+        return None
+    return args[0] if args[0] in LightningCLI.subcommands() else None
 
 
 def apply_init_from_defaults(config: Any, prefix: str = "") -> None:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kempnerforge.checkpoint.convert import DTYPES, dcp_to_hf, hf_to_dcp
 from kempnerforge.cli_errors import ToolArgumentParser
+
+#: The names of :data:`kempnerforge.checkpoint.convert.DTYPES`, which imports torch and Lightning: `--help` and
+#: argument errors answer without them (a unit test keeps the two equal).
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = sub.add_parser("dcp-to-hf", help="checkpoint -> transformers directory (safetensors)")
     out.add_argument("--ckpt", required=True, help="checkpoint directory, or the folder holding `latest`")
     out.add_argument("--output_dir", required=True)
-    out.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weight dtype written")
+    out.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weight dtype written")
     out.add_argument("--max_shard_size", default="5GB", help="split safetensors files above this size")
     out.add_argument("--tokenizer", default=None, help="tokenizer dir to copy (default: the one recorded)")
     inp = sub.add_parser("hf-to-dcp", help="transformers directory -> weights-only DCP checkpoint")
@@ -35,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 def convert_main(argv: list[str] | None = None) -> None:
     """Entry point of ``kforge convert``; prints where the result is."""
     args = build_parser().parse_args(argv)
+    from kempnerforge.checkpoint.convert import dcp_to_hf, hf_to_dcp
+
     if args.direction == "dcp-to-hf":
         out = dcp_to_hf(args.ckpt, args.output_dir, args.dtype, args.max_shard_size, args.tokenizer)
         print(f"wrote transformers directory {out.resolve()}")

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader
 
-from kempnerforge.checkpoint.load import load_checkpoint_model
 from kempnerforge.cli_errors import ToolArgumentParser
-from kempnerforge.data.datamodule import TokenDataModule
-from kempnerforge.data.prepare import prepare_data
 from kempnerforge.training.loss import IGNORE_INDEX, token_cross_entropy_sum
+
+# The checkpoint reader and the data module import Lightning: imported in the functions that run, so
+# `kforge eval --help` and argument errors answer without it.
 
 SPLITS = ("val", "train", "all")
 
@@ -91,6 +91,8 @@ def eval_windows(data_dir: str, seq_len: int, val_fraction: float, split: str, d
         raise ValueError(f"split={split!r} is not allowed; use one of {SPLITS}")
     if split == "all":
         val_fraction = 0.0
+    from kempnerforge.data.datamodule import TokenDataModule
+
     dm = TokenDataModule(data_dir, seq_len=seq_len, micro_batch_size=1, val_fraction=val_fraction, data_seed=data_seed)
     dm.setup("validate")
     if split == "val":
@@ -123,6 +125,9 @@ def eval_main(argv: list[str] | None = None) -> PerplexityResult:
     """Entry point of ``kforge eval``; prints and returns the result."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from kempnerforge.checkpoint.load import load_checkpoint_model
+    from kempnerforge.data.prepare import prepare_data
+
     loaded = load_checkpoint_model(args.ckpt, device=args.device)
     run = loaded.meta.get("datamodule_hyper_parameters") or {}
     seq_len = args.seq_len or run.get("seq_len")

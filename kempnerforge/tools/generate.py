@@ -14,14 +14,18 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
-from kempnerforge.checkpoint.convert import dtype_from_name
-from kempnerforge.checkpoint.load import is_vlm_checkpoint, load_checkpoint_model, load_vlm_checkpoint
 from kempnerforge.cli_errors import ToolArgumentParser
 from kempnerforge.errors import UserError
-from kempnerforge.model.generate import SamplingConfig, generate, left_pad
+
+if TYPE_CHECKING:
+    from kempnerforge.model.generate import SamplingConfig
+
+# The checkpoint readers import Lightning (DCPCheckpointIO is its CheckpointIO) and the model: imported in the
+# functions that run, so `kforge generate --help` and argument errors answer without them.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +70,8 @@ def load_tokenizer(path: str | None):
 
 def run_batch(model, tokenizer, prompts: list[str], sampling: SamplingConfig, ignore_eos: bool, device) -> None:
     """Generate for ``prompts`` and print each completion, then the throughput line."""
+    from kempnerforge.model.generate import generate, left_pad
+
     eos = None if ignore_eos else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     ids, mask = left_pad([tokenizer.encode(p) for p in prompts], pad)
@@ -92,6 +98,10 @@ def generate_main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.prompt and not args.interactive:
         parser.error("give --prompt (repeatable) or --interactive")
+    from kempnerforge.checkpoint.convert import dtype_from_name
+    from kempnerforge.checkpoint.load import is_vlm_checkpoint, load_checkpoint_model
+    from kempnerforge.model.generate import SamplingConfig
+
     try:
         sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
         dtype = dtype_from_name(args.dtype)
@@ -119,6 +129,7 @@ def generate_main(argv: list[str] | None = None) -> None:
 def _generate_vlm(args: argparse.Namespace, sampling: SamplingConfig) -> None:
     """``--image`` / ``--video``: one image or clip for every prompt, through
     :func:`~kempnerforge.model.vlm_generate.generate_with_image` (a clip is ``frames x n_visual`` tokens)."""
+    from kempnerforge.checkpoint.load import load_vlm_checkpoint
     from kempnerforge.config.vision import VisionEncoderConfig
     from kempnerforge.model.vision import build_image_processor
     from kempnerforge.model.vlm_generate import check_generatable, generate_with_image
