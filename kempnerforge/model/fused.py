@@ -152,3 +152,40 @@ def validate_fused_tp(cfg: ModelConfig, tp: int) -> None:
             f"model.fuse_w13=True needs tp={tp} to divide the SwiGLU width ffn_hidden={cfg.ffn_hidden} (each rank "
             "holds whole gate/up row pairs); set model.ffn_hidden_dim to a multiple of tp or model.fuse_w13=False"
         )
+
+
+def _fused_name(fqn: str) -> str | None:
+    """The fused parameter a separate one belongs to (``attention.wk.bias`` -> ``attention.wqkv.bias``), or None."""
+    if m := re.match(r"^(.*\battention\.)w[qkv]\.(weight|bias)$", fqn):
+        return f"{m.group(1)}wqkv.{m.group(2)}"
+    if m := re.match(r"^(.*\bfeed_forward\.)w[13]\.weight$", fqn):
+        return f"{m.group(1)}w13.weight"
+    return None
+
+
+def match_layout(state: Mapping[str, torch.Tensor], needed: set[str], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``state`` (a dense decoder's state dict) re-laid out so that the keys in ``needed`` exist: separate
+    ``wq``/``wk``/``wv`` / ``w1``/``w3`` split out of a fused entry, or a fused entry joined from separate ones
+    (a VLM backbone's warm start from a text model of the other layout, e.g. MoT's own separate projections).
+    Entries nothing needs any more are dropped; a sharded (DTensor) entry is gathered first. Keys no layout change
+    can supply stay missing (the caller names them)."""
+    from kempnerforge.parallel.dtensor import to_full
+
+    out = dict(state)
+    for key in sorted(k for k in needed if k not in out):
+        found, fused = unfused_names(key), _fused_name(key)
+        if found is not None and all(n in out for n in found[0]):
+            names, kind = found
+            parts = [to_full(out[n]) for n in names]
+            out[key] = fuse_rows(parts, layout_rows(kind, cfg, sum(p.shape[0] for p in parts)))
+            for n in names:
+                if n not in needed:
+                    out.pop(n)
+        elif fused is not None and fused in out:
+            names, kind = unfused_names(fused)
+            full = to_full(out[fused])
+            n = full.shape[0]
+            out.update(zip(names, split_rows(full, layout_rows(kind, cfg, n), part_sizes(kind, cfg, n)), strict=True))
+            if fused not in needed:
+                out.pop(fused)
+    return out

@@ -178,3 +178,31 @@ def test_split_state_dict_round_trip():
     assert "layers.1.attention.wk.bias" in split and "layers.1.feed_forward.w3.weight" in split
     again = join_state_dict(split, cfg)
     assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize(("arch", "dense_fused", "backbone_fused"), [("mot", True, False), ("moma", True, True)])
+def test_vlm_warm_start_across_layouts(arch, dense_fused, backbone_fused):
+    """A VLM backbone warm-starts from a text model of the other layout (MoT keeps its own separate projections;
+    MoMa's experts copy the dense w1/w3): the same logits as from the matching layout."""
+    from kempnerforge.config.vlm import VLMConfig
+    from kempnerforge.model.vlm import build_backbone
+    from tests.unit.vlm_backbone_utils import random_inputs, tiny_text_config
+
+    cfg = tiny_text_config()
+    fuse = dict(fuse_qkv=True, fuse_w13=True)
+    dense = Transformer(dataclasses.replace(cfg, **fuse) if dense_fused else cfg)
+    dense.init_weights(seed=3)
+    plain = Transformer(cfg)
+    plain.load_state_dict(split_state_dict(dense.state_dict(), dense.config))
+    vlm = VLMConfig(arch=arch)
+    ref, ours = (
+        build_backbone(cfg, vlm),
+        build_backbone(dataclasses.replace(cfg, **fuse) if backbone_fused else cfg, vlm),
+    )
+    for model in (ref, ours):
+        model.init_weights(seed=5)  # what the warm start leaves alone (MoMa's routers) starts equal
+    ref.load_text_state_dict(plain.state_dict())
+    ours.load_text_state_dict(dense.state_dict())
+    ids, visual = random_inputs(cfg)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, visual), ref(ids, visual), rtol=0, atol=1e-6)
