@@ -13,6 +13,7 @@ How to run
     python benchmarks/fused_projections.py                         # dim 256, 4 layers, MHA, vocab 50304, seq 256, batch 8
     python benchmarks/fused_projections.py --n-kv-heads 2          # GQA
     python benchmarks/fused_projections.py --steps 40 --threads 2 --json /tmp/fused.json
+    python benchmarks/fused_projections.py --variants unfused,both --steps 12
 
 How to read it
 --------------
@@ -51,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
     p.add_argument("--json", default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -85,11 +87,11 @@ def main(argv: list[str] | None = None) -> dict:
     ref.init_weights(seed=args.seed)
     sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     del ref
-    runs = {name: build(cfg, fuse, sd) for name, fuse in VARIANTS.items()}
+    names = ["unfused", *(n for n in args.variants.split(",") if n != "unfused")]
+    runs = {name: build(cfg, VARIANTS[name], sd) for name in names}
     g = torch.Generator().manual_seed(args.seed)
-    cpu: dict[str, list[float]] = {n: [] for n in VARIANTS}
-    loss: dict[str, list[float]] = {n: [] for n in VARIANTS}
-    names = list(VARIANTS)
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    loss: dict[str, list[float]] = {n: [] for n in names}
     for i in range(args.warmup + args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
         batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
