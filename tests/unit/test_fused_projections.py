@@ -206,3 +206,41 @@ def test_vlm_warm_start_across_layouts(arch, dense_fused, backbone_fused):
     ids, visual = random_inputs(cfg)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, visual), ref(ids, visual), rtol=0, atol=1e-6)
+
+
+def test_float8_converts_the_fused_linears_with_float8_tp_styles():
+    """FP8's filter is by module type and local GEMM shape: the fused Linears convert and get torchao's styles."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from kempnerforge.parallel import float8 as f8
+
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=32,
+                      fuse_qkv=True, fuse_w13=True)  # fmt: skip
+    model = Transformer(cfg)
+    plan = model.tp_plan(sequence_parallel=True, loss_parallel=True)
+    styles = f8.float8_tp_plan(model.layers["0"], plan.block, "tensorwise", tp=2, prefix="layers.0.")
+    assert (
+        type(styles["attention.wqkv"]).__name__ == type(styles["feed_forward.w13"]).__name__ == "Float8ColwiseParallel"
+    )
+    assert type(styles["attention"]).__name__ == type(styles["feed_forward"]).__name__ == "PrepareFloat8ModuleInput"
+    assert isinstance(model.layers["0"].attention.wqkv, Float8Linear)
+    assert isinstance(model.layers["0"].feed_forward.w13, Float8Linear)
+
+
+def test_checkpoint_written_before_the_fields_loads_unfused(tmp_path, monkeypatch):
+    """A DCP checkpoint whose saved config has no fuse_* fields (written the old way, wq/wk/wv keys) loads."""
+    from kempnerforge.checkpoint import convert
+    from kempnerforge.checkpoint.load import load_checkpoint_model
+
+    cfg, _ = _pair("gqa-bias")
+    model = Transformer(cfg)
+    model.init_weights(seed=4)
+    old_asdict = convert.asdict
+    monkeypatch.setattr(convert, "asdict", lambda c: {k: v for k, v in old_asdict(c).items() if "fuse" not in k})
+    convert.write_weights_checkpoint(model, cfg, tmp_path, "step=0.ckpt", source="test")
+    loaded = load_checkpoint_model(tmp_path / "step=0.ckpt")
+    assert "fuse_qkv" not in loaded.meta["hyper_parameters"]["config"] and not loaded.config.fuse_qkv
+    tokens = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(tokens), model.eval()(tokens))
