@@ -244,3 +244,17 @@ def test_checkpoint_written_before_the_fields_loads_unfused(tmp_path, monkeypatc
     tokens = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded.model(tokens), model.eval()(tokens))
+
+
+def test_attention_probs_hook_reads_the_fused_projection():
+    from kempnerforge.model.hooks import attention_probs
+    from kempnerforge.model.rope import model_rope_tables
+
+    plain_cfg, fused_cfg = _pair("qk_norm-head_dim")
+    plain, fused = Transformer(plain_cfg), Transformer(fused_cfg)
+    plain.init_weights(seed=8)
+    fused.init_weights(seed=8)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
+    cos, sin = (t[:6] for t in model_rope_tables(plain_cfg, "cpu"))
+    a = attention_probs(fused.layers["0"].attention, x, cos, sin)
+    torch.testing.assert_close(a, attention_probs(plain.layers["0"].attention, x, cos, sin), rtol=0, atol=1e-6)
