@@ -258,3 +258,11 @@ def test_attention_probs_hook_reads_the_fused_projection():
     cos, sin = (t[:6] for t in model_rope_tables(plain_cfg, "cpu"))
     a = attention_probs(fused.layers["0"].attention, x, cos, sin)
     torch.testing.assert_close(a, attention_probs(plain.layers["0"].attention, x, cos, sin), rtol=0, atol=1e-6)
+
+
+def test_muon_refuses_fused_matrices():
+    from kempnerforge.training.optimizers import OptimizerConfig, build_optimizer
+
+    _, cfg = _pair("mha")
+    with pytest.raises(ValueError, match=r"optimizer.name='muon' .* layers.0.attention.wqkv stacks several"):
+        build_optimizer(Transformer(cfg), OptimizerConfig(name="muon"))
