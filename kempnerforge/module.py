@@ -26,6 +26,7 @@ from kempnerforge.errors import UserError
 from kempnerforge.metrics.perplexity import ExpMeanMetric
 from kempnerforge.model import Transformer
 from kempnerforge.model.connectors import connector_tokens
+from kempnerforge.model.fused import validate_fused_tp
 from kempnerforge.model.vision import build_image_processor, hf_vision_config
 from kempnerforge.model.vlm import build_backbone
 from kempnerforge.model.vlm.model import VisionLanguageModel
@@ -175,12 +176,14 @@ class CausalLM(LightningModule):
         Raises:
             MeshConfigError: ``n_heads`` or ``n_kv_heads`` not divisible by ``tp``
                 (:func:`kempnerforge.parallel.tensor_parallel.validate_tp`); ``loss_chunk_size > 0`` or a fused
-                ``loss_impl`` with ``tp > 1`` or ``pp > 1`` (:func:`~kempnerforge.training.loss_impl.resolve_loss_impl`).
+                ``loss_impl`` with ``tp > 1`` or ``pp > 1`` (:func:`~kempnerforge.training.loss_impl.resolve_loss_impl`);
+                ``fuse_w13`` with ``tp`` not dividing ``ffn_hidden`` (:func:`kempnerforge.model.fused.validate_fused_tp`).
             ValueError: ``ep > 1`` without MoE or ``num_experts`` not divisible by ``ep``
                 (:func:`kempnerforge.parallel.expert_parallel.validate_ep`).
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
+        validate_fused_tp(cfg, dims.tp)
         validate_ep(dims.ep, cfg.num_experts)
         self.resolved_loss_impl = resolve_loss_impl(
             self.loss_impl, self.loss_chunk_size, tp=dims.tp, pp=dims.pp, fused_ok=self.fused_head

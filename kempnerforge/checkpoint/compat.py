@@ -7,6 +7,14 @@ from typing import Any
 
 #: Hyperparameter groups that decide a model's parameters (``CausalLM`` and ``VisionLanguage`` save them as dicts).
 MODEL_GROUPS: tuple[str, ...] = ("config", "vlm", "encoder", "connector")
+#: ``ModelConfig`` fields added after checkpoints were written without them, and the value those checkpoints had:
+#: the parameter layout (``wq``/``wk``/``wv`` and ``w1``/``w3`` before the fused projections existed).
+LEGACY_MODEL_FIELDS: dict[str, Any] = {"fuse_qkv": False, "fuse_w13": False}
+
+
+def with_legacy_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved ``ModelConfig`` dict with every :data:`LEGACY_MODEL_FIELDS` field it lacks set to its old value."""
+    return {**LEGACY_MODEL_FIELDS, **config}
 
 
 def model_config_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
@@ -19,6 +27,8 @@ def model_config_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any
     Returns:
         ``["model.vlm.arch: saved 'joint_decoder', now 'cross_attention'", ...]`` over :data:`MODEL_GROUPS`
         (a group present on one side only counts as one entry); empty when nothing differs or nothing was saved.
+        A config saved before a :data:`LEGACY_MODEL_FIELDS` field existed counts as holding its old value
+        (unfused projections), and a differing layout field names the flag that resumes the checkpoint.
     """
     if not saved:
         return []
@@ -26,8 +36,17 @@ def model_config_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any
     for group in MODEL_GROUPS:
         a, b = saved.get(group), current.get(group)
         if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += [f"model.{group}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted({*a, *b})
-                    if a.get(k) != b.get(k)]  # fmt: skip
+            a = with_legacy_fields(a) if group == "config" else a
+            b = with_legacy_fields(b) if group == "config" else b
+            out += [f"model.{group}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" + _hint(group, k, a.get(k))
+                    for k in sorted({*a, *b}) if a.get(k) != b.get(k)]  # fmt: skip
         elif (a is None) != (b is None):
             out.append(f"model.{group}: {'only in the checkpoint' if b is None else 'not in the checkpoint'}")
     return out
+
+
+def _hint(group: str, key: str, saved: Any) -> str:
+    """For a layout-only field (the weights are the same network), the flag that resumes the checkpoint."""
+    return (
+        f" (set --model.{group}.{key}={saved} to resume it)" if group == "config" and key in LEGACY_MODEL_FIELDS else ""
+    )

@@ -52,6 +52,7 @@ import torch
 from kempnerforge.checkpoint import hf_llama
 from kempnerforge.checkpoint.hf_source import SWIGLU_NAMES, HFSource, routed_experts_source, shared_expert_source
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.fused import join_state_dict, split_state_dict, unfused_names
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPE = "deepseek_v3"
@@ -306,7 +307,7 @@ def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str], rope_interleave: 
         KeyError: ``fqn`` has no DeepSeek-V3 name.
     """
     match = _OURS.match(fqn)
-    if match is None:
+    if match is None or unfused_names(fqn) is not None:  # a fused dense-layer w13: HF's gate_proj / up_proj rows
         return hf_llama.hf_source(fqn, cfg, disk_keys)
     layer, name = match.groups()
     p, h = f"model.layers.{layer}", cfg.expert_hidden
@@ -329,6 +330,7 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         KeyError: naming a key with no DeepSeek-V3 counterpart.
     """
     check_deepseek_v3_compatible(cfg)
+    sd = split_state_dict(sd, cfg)  # a fused dense-layer w13 -> gate_proj / up_proj (kempnerforge.model.fused)
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in sd.items():
@@ -406,4 +408,4 @@ def from_hf_state_dict(
             raise KeyError(f"from_hf_state_dict: no kempnerforge name for HF key {key!r}")
     if cfg.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
-    return out
+    return join_state_dict(out, cfg)

@@ -15,6 +15,7 @@ import torch
 from kempnerforge.checkpoint.hf_source import HFSource
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.rope import RopeScaling
+from kempnerforge.model.fused import config_qkv_rows, join_state_dict, split_state_dict, unfused_names, w13_rows
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
@@ -75,12 +76,19 @@ def hf_key(fqn: str) -> str:
 
 
 def hf_source(fqn: str, cfg: ModelConfig, disk_keys: set[str]) -> HFSource:
-    """Where our parameter ``fqn`` lies in a ``save_pretrained`` Llama folder: a rename (:func:`hf_key`).
+    """Where our parameter ``fqn`` lies in a ``save_pretrained`` Llama folder: a rename (:func:`hf_key`), or for a
+    fused ``wqkv`` / ``w13`` (:mod:`kempnerforge.model.fused`) the row permutation of HF's separate
+    ``q_proj``/``k_proj``/``v_proj`` / ``gate_proj``/``up_proj`` concatenated (each rank reads only its rows).
 
     Raises:
         KeyError: see :func:`hf_key`.
     """
-    return HFSource((hf_key(fqn),))
+    found = unfused_names(fqn)
+    if found is None:
+        return HFSource((hf_key(fqn),))
+    names, kind = found
+    rows = config_qkv_rows(cfg) if kind == "qkv" else w13_rows(cfg.ffn_hidden)
+    return HFSource(tuple(hf_key(n) for n in names), rows=tuple(rows), concat=True)
 
 
 def decoder_hf_kwargs(cfg: ModelConfig) -> dict:
@@ -279,7 +287,8 @@ def _is_tied(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None) -> bool:
 
 
 def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """Rename our state dict to HF ``LlamaForCausalLM`` keys (tensors are not copied).
+    """Rename our state dict to HF ``LlamaForCausalLM`` keys (tensors are not copied, except fused ``wqkv`` / ``w13``,
+    which are split into HF's separate projections: that needs ``cfg``).
 
     With tied embeddings (``cfg.tie_embeddings``, or without ``cfg`` when ``output.weight`` is
     missing or shares memory with ``tok_embeddings.weight``) no ``lm_head.weight`` is emitted: HF
@@ -289,6 +298,8 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None = N
         KeyError: naming a key that is not a Transformer parameter (e.g. a qk_norm weight).
     """
     tied = _is_tied(sd, cfg)
+    if cfg is not None:
+        sd = split_state_dict(sd, cfg)  # fused wqkv / w13 -> HF's separate projections (copies)
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         if key == "output.weight" and tied:
@@ -307,7 +318,8 @@ def _expected_keys(cfg: ModelConfig) -> set[str]:
 
 
 def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename an HF ``LlamaForCausalLM`` state dict to our keys (tensors are not copied).
+    """Rename an HF ``LlamaForCausalLM`` state dict to our keys (tensors are not copied, except that with
+    ``cfg.fuse_qkv`` / ``cfg.fuse_w13`` the separate projections are joined into ``wqkv`` / ``w13``).
 
     The result loads with ``Transformer(cfg).load_state_dict(..., strict=True)``: with
     ``cfg.tie_embeddings`` any ``lm_head.weight`` is dropped and ``output.weight`` is the same tensor
@@ -340,4 +352,4 @@ def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     extra = sorted(out.keys() - _expected_keys(cfg))
     if extra:
         raise KeyError(f"from_hf_state_dict: HF weights {extra} have no place in this config")
-    return out
+    return join_state_dict(out, cfg)

@@ -20,6 +20,7 @@ import torch
 from kempnerforge.checkpoint import hf_llama
 from kempnerforge.checkpoint.hf_source import HFSource
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.fused import join_state_dict
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
@@ -231,4 +232,4 @@ def _dense_from_hf(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str
         out[f"layers.{match.group(1)}.{hf_llama._BLOCK_KEYS_INV[match.group(2)]}"] = value
     if cfg.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
-    return out
+    return join_state_dict(out, cfg)  # fused wqkv / dense-layer w13 (kempnerforge.model.fused)

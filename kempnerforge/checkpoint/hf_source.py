@@ -29,18 +29,24 @@ class HFSource:
       interleaved RoPE rows, reordered evens-then-odds inside each head's ``qk_rope_head_dim`` rows). A sharded read
       of our rows ``[a, b)`` reads the block rows ``[min(rows[a:b]), max(rows[a:b]) + 1)``: for a permutation inside
       groups of g rows, at most the shard plus 2 g rows.
+    - A row permutation of several tensors concatenated along dim 0: ``concat=True``, ``rows[i]`` indexes
+      ``cat([keys[0], keys[1], ...], 0)`` (a fused ``wqkv`` from ``q_proj``/``k_proj``/``v_proj``, a fused ``w13``
+      from ``gate_proj``/``up_proj``: :mod:`kempnerforge.model.fused`). A sharded read takes, per key, the bounding
+      range of the rows the shard needs from it (for whole KV groups / gate-up pairs: exactly those rows).
 
     Args:
         keys: HF tensor keys (one unless ``stacked``).
         offset: start of our block per HF dim (empty: all zeros).
         stacked: ``keys[e]`` is our ``[e]`` slice.
         rows: a permutation of ``range(block dim 0)`` (empty: identity); not with ``stacked``.
+        concat: ``keys`` are concatenated along dim 0 (whole tensors, no ``offset``) and ``rows`` permutes the result.
     """
 
     keys: tuple[str, ...]
     offset: tuple[int, ...] = ()
     stacked: bool = False
     rows: tuple[int, ...] = ()
+    concat: bool = False
 
     @property
     def key(self) -> str:
@@ -91,6 +97,8 @@ def gather_source(sd: Mapping[str, torch.Tensor], source: HFSource, shape: tuple
     Raises:
         KeyError: a key of ``source`` is not in ``sd``.
     """
+    if source.concat:
+        return torch.cat([sd[key] for key in source.keys])[list(source.rows)]
     if source.stacked:
         offset = source.offset or (0,) * (len(shape) - 1)
         block = tuple(slice(o, o + n) for o, n in zip(offset, shape[1:], strict=True))

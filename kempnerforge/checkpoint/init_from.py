@@ -34,7 +34,11 @@ from kempnerforge.errors import PathError, UserError
 
 #: ``ModelConfig`` fields a run may set on top of a pretrained model: they shape the training objective or the
 #: (unused) random init, not what the weights mean.
-TRAINING_FIELDS = frozenset({"init_std", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight", "bias_update_rate"})
+#: ``fuse_qkv`` / ``fuse_w13`` only lay the same weights out differently (the folder's separate projections are read
+#: into the fused rows).
+TRAINING_FIELDS = frozenset(
+    {"init_std", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight", "bias_update_rate", "fuse_qkv", "fuse_w13"}
+)
 #: Fields that only derive the feed-forward width when ``ffn_hidden_dim`` is unset (HF configs set it): compared
 #: through the width they give.
 _WIDTH_FIELDS = frozenset({"ffn_dim_multiplier", "multiple_of"})

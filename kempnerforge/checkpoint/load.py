@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from kempnerforge.checkpoint.compat import with_legacy_fields
 from kempnerforge.checkpoint.dcp_io import META_FILE, DCPCheckpointIO
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.rope import model_rope_tables
@@ -73,7 +74,7 @@ def model_config_from_meta(meta: dict[str, Any], path: Path) -> ModelConfig:
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"{path}: checkpoint config has fields {unknown} that ModelConfig does not know")
-    return ModelConfig(**config)
+    return ModelConfig(**with_legacy_fields(config))  # a checkpoint older than the fused projections: unfused
 
 
 def build_model(config: ModelConfig, device: torch.device | str = "cpu") -> Transformer:

@@ -67,6 +67,12 @@ class ModelConfig:
     so that n_heads * head_dim != dim (wq: dim -> n_heads * head_dim, wo back to dim)."""
     attention_bias: bool = False
     """Bias on the q/k/v projections, not on the output projection (Qwen 2 / 2.5); zeros at init."""
+    fuse_qkv: bool = False
+    """One ``attention.wqkv`` Linear instead of ``wq``/``wk``/``wv`` (torchtitan's ``fuse_qkv``; rows grouped per KV
+    head, :mod:`kempnerforge.model.fused`); same math, init and HF export. GQA attention only (MLA ignores it)."""
+    fuse_w13: bool = False
+    """One ``feed_forward.w13`` Linear (gate/up rows interleaved) instead of ``w1``/``w3`` in the dense SwiGLU
+    blocks (MoE experts and shared experts keep theirs); same math, init and HF export. Needs tp | ffn_hidden."""
 
     # -- Attention kind (validated by kempnerforge.config.mla.validate_attention) -----------------------
     attention: str = "gqa"
@@ -151,8 +157,9 @@ class ModelConfig:
             self.head_dim = self.dim // self.n_heads  # MLA: unused (its head widths are its own fields)
         elif self.attention == "gqa" and self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs of channels)")
-        if not isinstance(self.attention_bias, bool):
-            raise ValueError(f"ModelConfig.attention_bias={self.attention_bias!r} must be True or False")
+        for name in ("attention_bias", "fuse_qkv", "fuse_w13"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be True or False")
         validate_mla_extras(self)
         validate_moe(self)
 

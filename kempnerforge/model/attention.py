@@ -35,7 +35,9 @@ class Attention(nn.Module):
     never stored: after column-wise tensor-parallel sharding of wq/wk/wv each rank holds
     ``n_heads / tp`` query and ``n_kv_heads / tp`` KV heads and the same code runs unchanged.
 
-    Submodules: ``wq`` (dim -> n_heads*head_dim), ``wk``, ``wv`` (dim -> n_kv_heads*head_dim),
+    Submodules: ``wq`` (dim -> n_heads*head_dim), ``wk``, ``wv`` (dim -> n_kv_heads*head_dim), or with
+    ``fused`` (default ``config.fuse_qkv``) one ``wqkv`` (dim -> (n_heads + 2*n_kv_heads)*head_dim, rows grouped per
+    KV head, :mod:`kempnerforge.model.fused`; the same math as the three),
     ``wo`` (n_heads*head_dim -> dim; ``head_dim`` may differ from dim / n_heads, as in Qwen 3); with
     ``config.attention_bias`` wq/wk/wv carry a bias (Qwen 2), and with ``config.qk_norm`` ``q_norm``/``k_norm``:
     RMSNorm over head_dim applied per head before RoPE (Qwen 3's placement, tested against transformers).
@@ -44,14 +46,19 @@ class Attention(nn.Module):
     key_mask (batch, seq) bool or None) -> (batch, seq, dim).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused: bool | None = None) -> None:
         super().__init__()
         hd, n_q, n_kv = config.head_dim, config.n_heads, config.n_kv_heads_resolved
         self.head_dim = hd
+        self.heads_per_kv = n_q // n_kv
+        self.fused = config.fuse_qkv if fused is None else fused
         bias = config.attention_bias  # Qwen 2: q/k/v only, never the output projection
-        self.wq = nn.Linear(config.dim, n_q * hd, bias=bias)
-        self.wk = nn.Linear(config.dim, n_kv * hd, bias=bias)
-        self.wv = nn.Linear(config.dim, n_kv * hd, bias=bias)
+        if self.fused:  # rows grouped per KV head (kempnerforge.model.fused): TP's row chunks hold whole groups
+            self.wqkv = nn.Linear(config.dim, (n_q + 2 * n_kv) * hd, bias=bias)
+        else:
+            self.wq = nn.Linear(config.dim, n_q * hd, bias=bias)
+            self.wk = nn.Linear(config.dim, n_kv * hd, bias=bias)
+            self.wv = nn.Linear(config.dim, n_kv * hd, bias=bias)
         self.wo = nn.Linear(n_q * hd, config.dim, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, eps=config.norm_eps)
@@ -82,15 +89,23 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-head q, k, v (batch, seq, heads, head_dim) of ``x`` before RoPE, QK-norm applied."""
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.fused:
+            # (batch, seq, kv_heads, heads_per_kv + 2, head_dim); kv_heads is this rank's under TP.
+            qkv = self.wqkv(x).view(bsz, seq, -1, self.heads_per_kv + 2, self.head_dim)
+            q, k, v = qkv.split([self.heads_per_kv, 1, 1], dim=3)
+            q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)
+        else:
+            q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+            k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+            v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def cache_dims(self) -> tuple[int, int, int]:
         """What :class:`~kempnerforge.model.kv_cache.KVCache` holds per token: ``(n_kv_heads, head_dim, head_dim)``."""
+        if self.fused:
+            return self.wqkv.weight.shape[0] // ((self.heads_per_kv + 2) * self.head_dim), self.head_dim, self.head_dim
         return self.wk.weight.shape[0] // self.head_dim, self.head_dim, self.head_dim
 
     def forward_cached(

@@ -3,7 +3,8 @@ VLM backbone (joint decoder, cross-attention, MoT, MoMa), so they cannot drift a
 
 The rules follow Llama / GPT-2 practice as torchtitan applies it: RMSNorm weights ones; Linear and Embedding weights
 and packed expert weights N(0, init_std**2) truncated at +-3 std; residual-branch outputs at
-init_std / sqrt(2 * n_layers) (GPT-2, Radford et al. 2019, section 2.3). Every element is a function of (seed, FQN,
+init_std / sqrt(2 * n_layers) (GPT-2, Radford et al. 2019, section 2.3); a fused ``wqkv`` / ``w13`` gets, element by
+element, the values of the separate projections it joins. Every element is a function of (seed, FQN,
 its global index) (:mod:`kempnerforge.model.init`'s counter-based generator): each rank generates only its own shard,
 on the parameter's device, and the result is independent of the global RNG, of meta or eager builds and of the
 FSDP2 / TP / EP / PP layout.
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
+from kempnerforge.model.fused import layout_rows, part_sizes, unfused_names
 from kempnerforge.model.init import canonical_fqn, ones_init_, trunc_normal_init_
 from kempnerforge.model.moe import GroupedExperts, MoE
 from kempnerforge.model.norm import RMSNorm
@@ -28,6 +30,17 @@ from kempnerforge.model.rope import model_rope_tables
 #: and cross-MLP outputs (``cross_attention.wo``, ``cross_feed_forward.w2``) and shared experts' ``w2``. Packed routed
 #: experts' ``w2`` is residual by its parameter name.
 RESIDUAL_OUT = re.compile(r"(attention\.wo|feed_forward\.w2|moe\.shared_experts\.\d+\.w2)$")
+
+
+def _fused_parts(fqn: str, weight: torch.Tensor, config: ModelConfig) -> tuple:
+    """``(concat, rows)`` for a fused projection (every element drawn as in its separate ``wq``/``wk``/``wv`` or
+    ``w1``/``w3``, so a fused model starts bit-identical to the unfused one), ``()`` for any other weight."""
+    found = unfused_names(fqn)
+    if found is None:
+        return ()
+    names, kind = found
+    n = weight.shape[0]
+    return tuple(zip(names, part_sizes(kind, config, n), strict=True)), layout_rows(kind, config, n)
 
 
 @torch.no_grad()
@@ -82,7 +95,9 @@ def init_decoder_(
             else:
                 experts = isinstance(module, GroupedExperts)
                 residual = pname == "w2" if experts else RESIDUAL_OUT.search(fqn.removesuffix(".weight")) is not None
-                trunc_normal_init_(weight, fqn, seed, residual_std if residual else std)
+                trunc_normal_init_(
+                    weight, fqn, seed, residual_std if residual else std, *_fused_parts(fqn, weight, config)
+                )
             done.add(id(weight))
     missed = [n for n, p in model.named_parameters() if id(p) not in done]
     if missed:

@@ -38,10 +38,7 @@ def attention_probs(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: to
         scores = q.transpose(1, 2).float() @ k.transpose(1, 2).float().transpose(-2, -1) * attn.softmax_scale
         mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
         return scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    q = attn.wq(x).view(bsz, seq, -1, attn.head_dim)
-    k = attn.wk(x).view(bsz, seq, -1, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, _ = attn._qkv(x)  # the projections (separate or fused wqkv) and QK-norm of Attention.forward
     q, k = apply_rope(q, cos, sin).transpose(1, 2).float(), apply_rope(k, cos, sin).transpose(1, 2).float()
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: KV head j serves query heads j*g .. j*g+g-1
     scores = q @ k.transpose(-2, -1) / math.sqrt(attn.head_dim)

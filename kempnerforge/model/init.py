@@ -119,7 +119,7 @@ def _bits_(index: torch.Tensor, key: int, tmp: torch.Tensor, hi: torch.Tensor | 
 
     ``tmp`` (and ``hi``, needed when some index is >= 2**32) are int64 scratch of ``index``'s shape.
     """
-    k0, k1 = key & _MASK32, key >> 32
+    k0, k1 = key & _MASK32, key >> 32  # ints, or int64 tensors of per-element keys (then ``hi`` is given)
     if hi is not None:  # the high word enters elementwise
         torch.bitwise_right_shift(index, 32, out=hi).bitwise_xor_(k1)
         _mix32_(hi, tmp)
@@ -173,25 +173,61 @@ def _chunks(param: torch.Tensor, chunk: int, out: torch.Tensor):
         yield o0 * n_inner, n
 
 
+class _Concat:
+    """Per-element (key, index) of a parameter that is a row permutation of several tensors concatenated along dim 0
+    (a fused projection, :mod:`kempnerforge.model.fused`): each element gets the bits it has in its own tensor."""
+
+    def __init__(self, param: torch.Tensor, seed: int, concat: tuple[tuple[str, int], ...], rows, device) -> None:
+        sizes = [n for _, n in concat]
+        if len(rows) != sum(sizes) or sum(sizes) != param.shape[0]:
+            raise ValueError(f"init: rows {len(rows)} / parts {sizes} do not describe dim 0 of {tuple(param.shape)}")
+        self.keys = torch.tensor([param_seed(seed, f) for f, _ in concat], dtype=torch.int64, device=device)
+        self.ends = torch.tensor(sizes, dtype=torch.int64, device=device).cumsum(0)
+        self.starts = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), self.ends[:-1]])
+        self.rows = torch.tensor(list(rows), dtype=torch.int64, device=device)
+        self.cols = math.prod(param.shape[1:])
+
+    def remap_(self, index: torch.Tensor) -> torch.Tensor:
+        """Turn global flat indices of the fused tensor into each part's own flat indices (in place); return the
+        per-element keys."""
+        row = torch.div(index, self.cols, rounding_mode="floor")
+        src = self.rows[row]
+        part = torch.searchsorted(self.ends, src, right=True)
+        index.sub_(row * self.cols).add_((src - self.starts[part]) * self.cols)
+        return self.keys[part]
+
+
 @torch.no_grad()
-def _fill_(param: torch.Tensor, fqn: str, seed: int, low: float, high: float, finish=None) -> None:
+def _fill_(
+    param: torch.Tensor,
+    fqn: str,
+    seed: int,
+    low: float,
+    high: float,
+    finish=None,
+    concat: tuple[tuple[str, int], ...] = (),
+    rows=(),
+) -> None:
     """Write ``finish(v)`` into this rank's part of ``param``, ``v`` uniform in (low, high) in float64 from the
     counter-based bits (``v = x * s + (low + s / 2)``, ``s = (high - low) / 2**32``); ``finish`` maps float64 in
-    place, or is None."""
+    place, or is None. With ``concat`` ((fqn, dim-0 size) per part) ``param`` is ``cat(parts, 0)[rows]`` and each
+    element draws from its part's FQN and index (``fqn`` unused)."""
     local = local_part(param)
     if local.numel() == 0:
         return
     key = param_seed(seed, fqn)
+    parts = _Concat(param, seed, concat, rows, local.device) if concat else None
     scale = (high - low) * 2.0**-32
     shift = low + 0.5 * scale
     scratch = None if local.is_contiguous() else torch.empty(local.shape, dtype=local.dtype, device=local.device)
     flat = (local if scratch is None else scratch).view(-1)
     chunk = min(chunk_elements(local.device), local.numel())
     index, tmp = (torch.empty(chunk, dtype=torch.int64, device=local.device) for _ in range(2))
-    hi = torch.empty_like(index) if param.numel() > 1 << 32 else None
+    hi = torch.empty_like(index) if param.numel() > 1 << 32 or parts is not None else None
     values = torch.empty(chunk, dtype=torch.float64, device=local.device)
     for start, n in _chunks(param, chunk, index):
-        bits = _bits_(index[:n], key, tmp[:n], None if hi is None else hi[:n])
+        k = key if parts is None else parts.remap_(index[:n])
+        bits = _bits_(index[:n], k, tmp[:n], None if hi is None else hi[:n])
         v = values[:n].copy_(bits).mul_(scale).add_(shift)  # (an int64 * float op would compute in float32)
         flat[start : start + n].copy_(v if finish is None else finish(v))
     if scratch is not None:  # a non-contiguous local view (never FSDP2's): one shard-sized copy
@@ -206,11 +242,16 @@ def normal_init_(
     mean: float = 0.0,
     a: float = -math.inf,
     b: float = math.inf,
+    concat: tuple[tuple[str, int], ...] = (),
+    rows=(),
 ) -> None:
     """Fill ``param`` (plain or DTensor: this rank's shard only) from N(mean, std**2) truncated to [a, b].
 
     ``a`` / ``b`` are absolute bounds as in ``torch.nn.init.trunc_normal_`` (infinite: untruncated; the largest
     |z| 32 bits reach is 6.2 std). The values depend only on (seed, canonical ``fqn``, global element index).
+    A fused parameter passes ``concat`` (``(fqn, dim-0 size)`` of each separate tensor it joins) and ``rows`` (its
+    row ``r`` is row ``rows[r]`` of their concatenation): every element then gets exactly the value it has in its
+    own separate tensor (bit-identical to the unfused model).
 
     Raises:
         ValueError: ``std <= 0`` or ``a >= b``.
@@ -225,7 +266,7 @@ def normal_init_(
         z = z.add_(mean) if mean else z
         return z if lo is None and hi is None else z.clamp_(lo, hi)  # rounding at the bounds
 
-    _fill_(param, fqn, seed, ta, tb, finish)
+    _fill_(param, fqn, seed, ta, tb, finish, concat, rows)
 
 
 def uniform_init_(param: torch.Tensor, fqn: str, seed: int, low: float, high: float) -> None:
@@ -239,12 +280,15 @@ def uniform_init_(param: torch.Tensor, fqn: str, seed: int, low: float, high: fl
     _fill_(param, fqn, seed, low, high)
 
 
-def trunc_normal_init_(param: torch.Tensor, fqn: str, seed: int, std: float) -> None:
+def trunc_normal_init_(
+    param: torch.Tensor, fqn: str, seed: int, std: float, concat: tuple[tuple[str, int], ...] = (), rows=()
+) -> None:
     """Fill ``param`` from N(0, std**2) truncated at +-3 std, drawn from (seed, ``fqn``) only (the decoder's rule).
 
-    Each rank generates only its own shard, on the parameter's device (:func:`normal_init_`).
+    Each rank generates only its own shard, on the parameter's device (:func:`normal_init_`, which also describes
+    ``concat`` / ``rows`` for fused projections).
     """
-    normal_init_(param, fqn, seed, std, a=-3 * std, b=3 * std)
+    normal_init_(param, fqn, seed, std, a=-3 * std, b=3 * std, concat=concat, rows=rows)
 
 
 @torch.no_grad()

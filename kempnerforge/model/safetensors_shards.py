@@ -97,6 +97,9 @@ class SafetensorsFolder:
             ValueError: a folder tensor cannot hold the block (names the key, both shapes and the offset), or a
                 stack has another number of keys than ``shape[0]``, or ``source.rows`` is not a permutation of dim 0.
         """
+        if source.concat:
+            self._check_concat(shape, source)
+            return
         rest = tuple(shape[1:]) if source.stacked else tuple(shape)
         offset = source.offset or (0,) * len(rest)
         if source.stacked and len(source.keys) != shape[0]:
@@ -115,6 +118,34 @@ class SafetensorsFolder:
                     f"{self.path}: tensor {key!r} has shape {have}, which cannot hold a block of shape {rest} "
                     f"at offset {offset}"
                 )
+
+    def _check_concat(self, shape: tuple[int, ...], source: HFSource) -> None:
+        """A ``concat`` source: every key present, the same trailing dims as ``shape``, dim 0 sizes summing to
+        ``shape[0]``, ``rows`` of that length."""
+        missing = [key for key in source.keys if key not in self._where]
+        if missing:
+            raise KeyError(f"{self.path} has no tensor {missing[0]!r}")
+        have = [tuple(self._where[key].get_slice(key).get_shape()) for key in source.keys]
+        if any(h[1:] != tuple(shape[1:]) for h in have) or sum(h[0] for h in have) != shape[0]:
+            raise ValueError(
+                f"{self.path}: tensors {list(source.keys)} of shapes {have} cannot be concatenated into {tuple(shape)}"
+            )
+        if len(source.rows) != shape[0] or source.offset:
+            raise ValueError(f"{self.path}: a concat source needs {shape[0]} rows and no offset")
+
+    def _read_concat_(self, dst: torch.Tensor, want: list[int], source: HFSource, block_of, cols: tuple) -> None:
+        """Fill ``dst`` (rows x ...) with the rows ``want`` of the concatenation of ``source.keys``: per key one slice
+        over the bounding range of the rows it contributes."""
+        want_t = torch.tensor(want)
+        start = 0
+        for key in source.keys:
+            n = self._where[key].get_slice(key).get_shape()[0]
+            sel = ((want_t >= start) & (want_t < start + n)).nonzero().flatten()
+            if sel.numel():
+                local_rows = want_t[sel] - start
+                lo, hi = int(local_rows.min()), int(local_rows.max()) + 1
+                dst[sel] = block_of(key)[(slice(lo, hi), *cols)][local_rows - lo].to(dst.dtype)
+            start += n
 
     @torch.no_grad()
     def read_source_(self, tensor: torch.Tensor, source: HFSource) -> None:
@@ -150,6 +181,11 @@ class SafetensorsFolder:
 
         for block in itertools.product(*runs):
             dst = tuple(slice(lo, lo + n) for lo, _, n in block)
+            if source.concat:
+                (_, g0, n0), tail = block[0], block[1:]
+                cols = tuple(slice(g, g + n) for _, g, n in tail)
+                self._read_concat_(local[dst], list(source.rows[g0 : g0 + n0]), source, block_of, cols)
+                continue
             if not source.stacked:
                 src = tuple(slice(g + o, g + o + n) for (_, g, n), o in zip(block, offset, strict=True))
                 if source.rows:  # our rows [g, g + n) are the block rows rows[g: g + n]: read their bounding range

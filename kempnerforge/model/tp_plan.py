@@ -103,7 +103,10 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
       cross-entropy, otherwise they are all-gathered into a plain ``(batch, seq, vocab)`` tensor.
 
     MoE blocks (``config.num_experts > 0``): ``moe_block`` (:func:`moe_block_tp_plan`). MLA attention
-    (``config.attention == 'mla'``): :func:`mla_tp_plan` instead of the ``wq/wk/wv`` entries.
+    (``config.attention == 'mla'``): :func:`mla_tp_plan` instead of the ``wq/wk/wv`` entries. Fused projections
+    (``config.fuse_qkv`` / ``fuse_w13``): ``attention.wqkv`` / ``feed_forward.w13`` ``ColwiseParallel`` instead of
+    the separate ones; their row layouts (:mod:`kempnerforge.model.fused`) make each rank's ``Shard(0)`` chunk hold
+    whole KV groups (its query heads with their key and value head) / whole gate-up row pairs, biases included.
 
     A tied embedding/head works: both styles shard the one ``(vocab, dim)`` matrix as ``Shard(0)``,
     and :func:`~kempnerforge.parallel.tensor_parallel.apply_tp` re-ties them afterwards.
@@ -148,6 +151,13 @@ def dense_decoder_tp_plan(config: ModelConfig, *, sequence_parallel: bool, loss_
         for name in ("wq", "wk", "wv"):
             del block[f"attention.{name}"]
         block.update(mla_tp_plan(config, sequence_parallel=sp))
+    elif config.fuse_qkv:  # rows grouped per KV head: a Shard(0) chunk is whole KV groups (tp | n_kv_heads)
+        for name in ("wq", "wk", "wv"):
+            del block[f"attention.{name}"]
+        block["attention.wqkv"] = ColwiseParallel()
+    if config.fuse_w13:  # gate/up rows interleaved: a Shard(0) chunk is whole pairs (tp | ffn_hidden)
+        del block["feed_forward.w1"], block["feed_forward.w3"]
+        block["feed_forward.w13"] = ColwiseParallel()
     if config.qk_norm:
         block["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         block["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)

@@ -44,7 +44,7 @@ class TransformerBlock(nn.Module):
         if config.is_moe_layer(layer):
             self.moe = MoE(config)
         else:
-            self.feed_forward = FeedForward(config.dim, config.ffn_hidden)
+            self.feed_forward = FeedForward(config.dim, config.ffn_hidden, fused=config.fuse_w13)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the block to ``x`` (batch, seq, dim)."""

@@ -160,7 +160,17 @@ def muon_param_ids(model: nn.Module) -> set[int]:
     Excluded (they go to AdamW, as in the Muon and Moonlight recipes): embeddings, the output head
     (``output``; a tied head is the embedding), norms, biases, routers and packed 3-D expert weights
     (``torch.optim.Muon`` orthogonalizes 2-D matrices only).
+
+    Raises:
+        ValueError: the model has fused projections (``fuse_qkv`` / ``fuse_w13``): Muon would orthogonalize
+            the stacked Q/K/V or gate/up matrix as one, which is not the update of the separate matrices.
     """
+    fused = sorted(n for n, m in model.named_modules() if n.endswith(("attention.wqkv", "feed_forward.w13")))
+    if fused:
+        raise ValueError(
+            f"optimizer.name='muon' orthogonalizes each matrix, and {fused[0]} stacks several; set "
+            "model.config.fuse_qkv=False and model.config.fuse_w13=False with Muon"
+        )
     head = getattr(model, "output", None)
     excluded = _embedding_ids(model) | ({id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set())
     ids = set()

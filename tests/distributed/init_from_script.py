@@ -17,6 +17,7 @@ Rank 0 writes the records as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -27,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
 from kempnerforge.checkpoint.init_from import model_config_from_folder
+from kempnerforge.model.fused import join_state_dict
 from kempnerforge.model.transformer import Transformer
 from kempnerforge.module import CausalLM
 from kempnerforge.parallel.expert_parallel import apply_ep
@@ -122,6 +124,8 @@ def layouts(folders: dict[str, str], mesh) -> dict:
     out = {}
     for layout, folder in folders.items():
         cfg = model_config_from_folder(folder)
+        if layout.startswith("fused"):  # wqkv / w13 rows read from HF's separate q/k/v, gate/up tensors per rank
+            cfg = dataclasses.replace(cfg, fuse_qkv=True, fuse_w13=True)
         with torch.device("meta"):
             model = Transformer(cfg, init_from=folder)
         if layout.endswith("tp2"):
@@ -134,6 +138,7 @@ def layouts(folders: dict[str, str], mesh) -> dict:
         model.tie_weights()
         model.init_weights(seed=0)
         want = _plain(folder)
+        want = join_state_dict(want, cfg) if layout.startswith("fused") else want
         diff, sharded = 0.0, 0
         got = _tensors(model)
         assert got.keys() == want.keys(), (layout, sorted(got.keys() ^ want.keys()))
@@ -160,7 +165,8 @@ def main() -> None:
     record = {"memory": memory(args.big, mesh)}
     ds = args.deepseek_v3
     record["layouts"] = layouts(
-        {"tp2": args.small, "ep2": args.mixtral, "fsdp2": args.qwen2_moe, "ds_tp2": ds, "ds_ep2": ds, "ds_fsdp2": ds},
+        {"tp2": args.small, "ep2": args.mixtral, "fsdp2": args.qwen2_moe, "ds_tp2": ds, "ds_ep2": ds, "ds_fsdp2": ds}
+        | {"fused_tp2": args.small, "fused_fsdp2": args.small},
         mesh,
     )
     gen = torch.Generator().manual_seed(0)

@@ -7,7 +7,8 @@
   equals ``transformers``' loss of ``from_pretrained`` on the same global batch (1e-5).
 - tp=2 (Llama), ep=2 (Mixtral, per-expert keys) and FSDP2 (Qwen2-MoE, shared experts as row blocks) loads equal the
   unsharded load bitwise; so do tp=2, ep=2 and FSDP2 loads of a tiny DeepSeek-V3 (interleaved RoPE rows permuted
-  per rank, ``kv_lora_rank=4`` so FSDP2 cuts ``wkv_a`` inside its RoPE rows; fused shared expert; correction bias).
+  per rank, ``kv_lora_rank=4`` so FSDP2 cuts ``wkv_a`` inside its RoPE rows; fused shared expert; correction bias),
+  and tp=2 / FSDP2 loads of the Llama folder into fused ``wqkv`` / ``w13`` (issue 21) equal the joined unsharded load.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def test_init_from_on_two_ranks(tmp_path):
         # tensors, or keeping every mapped page, would be at least one model's size.
         peak = mem["materialize_bytes"][rank] + mem["load_bytes"][rank]
         assert mem["shard_bytes"][rank] <= peak < 0.6 * mem["model_bytes"], (rank, mem)
-    assert {"ds_tp2", "ds_ep2", "ds_fsdp2"} <= record["layouts"].keys()
+    assert {"ds_tp2", "ds_ep2", "ds_fsdp2", "fused_tp2", "fused_fsdp2"} <= record["layouts"].keys()
     for layout, rec in record["layouts"].items():
         assert rec["max_abs_diff"] == 0.0 and rec["sharded_params"] > 0, (layout, rec)
     want = _hf_loss(folders["small"], record["loss"]["tokens"])

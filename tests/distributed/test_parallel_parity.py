@@ -2,8 +2,8 @@
 
 For each case, 5 training steps on gloo ranks give losses and gradient norms within 1e-5 relative of
 the single-process run on full logits (``loss_impl=torch``): FSDP2 (dp_shard 2 and 4, both with the default head
-fused into chunked cross-entropy, the latter with chunks of 64 tokens), HSDP (2 x 2), TP=2 and TP=2 + FSDP2=2 (the
-logits path with loss parallel, which ``loss_impl=auto`` resolves to there), sequence
+fused into chunked cross-entropy, the latter with chunks of 64 tokens), HSDP (2 x 2), TP=2 and TP=2 + FSDP2=2 with fused Q/K/V and gate/up
+projections (the reference has separate ones; the logits path with loss parallel, which ``loss_impl=auto`` resolves to there), sequence
 parallel, activation checkpointing (full, every 2nd block, op-level selective under TP + SP), and
 per-block compile. The micro-batch is 8 / (number of data-parallel ranks), so every layout sees
 the same 8 sequences per step.
@@ -34,8 +34,9 @@ CASES = {
         4,
         ["--dp-replicate", "2", "--dp-shard", "2", "--ac", "selective", "--ac-every-n", "2"],
     ),  # fmt: skip
-    "tp2": (2, 1, ["--tp", "2"]),
-    "tp2-fsdp2": (4, 2, ["--tp", "2"]),
+    # Fused wqkv / w13 (issue 21) against the unfused reference: the same init, the grouped rows sharded per KV head.
+    "tp2-fused": (2, 1, ["--tp", "2", "--fuse"]),
+    "tp2-fsdp2-fused": (4, 2, ["--tp", "2", "--fuse"]),
     "tp2-sequence_parallel": (2, 1, ["--tp", "2", "--sequence-parallel"]),
     "ac-selective_op-tp2-sp": (2, 1, ["--tp", "2", "--sequence-parallel", "--ac", "selective_op"]),
     "compile-per-block": (2, 2, ["--compile"]),
@@ -53,7 +54,7 @@ def single(shakespeare_tokens, tmp_path_factory):
     """The reference: one process, the whole global batch, no AC, no compile, full logits and the cross-entropy
     (``loss_impl=torch``), so every layout that runs the default fused head + loss (auto) is compared with it."""
     out = tmp_path_factory.mktemp("single") / "record.json"
-    args = ("--steps", str(STEPS), "--micro-batch", str(GLOBAL_BATCH), "--loss-impl", "torch")
+    args = ("--steps", str(STEPS), "--micro-batch", str(GLOBAL_BATCH), "--loss-impl", "torch", "--no-fuse")
     return train(1, shakespeare_tokens, out, *args)
 
 

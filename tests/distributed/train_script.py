@@ -6,6 +6,7 @@ Writes the per-step global losses and gradient norms (rank 0) as JSON to ``--out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -108,6 +109,13 @@ def _expert_layout(model: torch.nn.Module) -> list[dict]:
     return every
 
 
+def _with_fuse(cfg: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """``cfg`` with both fused projections on (``--fuse``) or off (``--no-fuse``); neither: the config's default."""
+    if args.fuse is None:
+        return cfg
+    return dataclasses.replace(cfg, fuse_qkv=args.fuse, fuse_w13=args.fuse)
+
+
 def fit(args: argparse.Namespace, ckpt_dir: str | None, ckpt_path: str | None):
     """One ``Trainer.fit`` of the tiny model under the strategy the arguments describe; returns (trainer, module,
     recorder). Checkpoints go to ``ckpt_dir`` (None: none); ``ckpt_path`` resumes."""
@@ -115,7 +123,9 @@ def fit(args: argparse.Namespace, ckpt_dir: str | None, ckpt_path: str | None):
     # CUDA: some kernels (SDPA backward, embedding backward) have no deterministic variant; warn only.
     torch.use_deterministic_algorithms(True, warn_only=args.accelerator != "cpu")
     module = CausalLM(
-        config=tiny_config(tie=args.tie, moe=args.moe, num_experts=args.num_experts, top_k=args.top_k),
+        config=_with_fuse(
+            tiny_config(tie=args.tie, moe=args.moe, num_experts=args.num_experts, top_k=args.top_k), args
+        ),
         optimizer=OptimizerConfig(lr=3e-3),
         scheduler=SchedulerConfig(warmup_steps=5, total_steps=40),
         grad_clip=1.0,
@@ -194,6 +204,7 @@ def main() -> None:
     p.add_argument("--param-dtype", default="float32", help="mixed_precision_param")
     p.add_argument("--accelerator", default="cpu", help="cpu (gloo) or cuda (nccl, tests/gpu)")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None, help="fuse_qkv and fuse_w13")
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--moe", action="store_true", help="train the MoE variant of the tiny model")
     p.add_argument("--num-experts", type=int, default=8, help="with --moe")

@@ -20,6 +20,7 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.attention import padding_attention_mask
 from kempnerforge.model.decoder_init import init_decoder_
+from kempnerforge.model.fused import match_layout
 from kempnerforge.model.init import canonical_fqn, copy_full_
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import model_rope_tables, pack_rope
@@ -195,6 +196,8 @@ class PrefixBackbone(VLMBackbone):
         state = {canonical_fqn(k): v for k, v in state.items()}
         params = list(self.named_parameters(remove_duplicate=False))  # a tied head keeps its own key
         keys = {canonical_fqn(n): self.text_key(canonical_fqn(n)) for n, _ in params}
+        # A text model with the other projection layout (fuse_qkv / fuse_w13, or MoT's own separate projections).
+        state = match_layout(state, {k for k in keys.values() if k is not None}, self.config)
         missing = sorted({k for k in keys.values() if k is not None and k not in state})
         unexpected = sorted(set(state) - set(keys.values()))
         if missing or unexpected:
