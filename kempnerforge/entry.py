@@ -5,6 +5,7 @@ training commands go on to the LightningCLI (:func:`kempnerforge.cli.main`).
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from kempnerforge.commands import run_without_lightning
@@ -23,5 +24,21 @@ def main(argv: list[str] | None = None) -> None:
     cli_main(argv)
 
 
-if __name__ == "__main__":
+def console_main() -> None:
+    """The ``kforge`` console script: :func:`main`, then an exit that skips the cyclic collector's last passes.
+
+    After a training command the heap holds millions of objects (torch, Lightning, transformers, jsonargparse);
+    the interpreter's shutdown collections walk all of them: 1-3 s of a 1-step run's wall time (about 20%),
+    the same on every rank. ``gc.freeze()`` moves them to the permanent generation, which those passes skip.
+    Files, loggers and checkpoints are already closed by then (``Trainer.fit``'s teardown) and ``atexit``
+    handlers (W&B, MLflow) still run. Only the console script does this: an in-process ``main`` (tests,
+    notebooks) keeps collecting normally. Not when Triton is loaded (GPU runs): its nanobind objects would then
+    be reported as leaked, dozens of lines at the end of every job's log.
+    """
     main()
+    if "triton" not in sys.modules:
+        gc.freeze()
+
+
+if __name__ == "__main__":
+    console_main()

@@ -30,7 +30,7 @@ def test_wheel_contains_strategies_and_callbacks(tmp_path):
     packages = {p.relative_to(REPO).as_posix() for p in (REPO / "kempnerforge").rglob("__init__.py")}
     assert packages <= names, sorted(packages - names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "kforge = kempnerforge.entry:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "kforge = kempnerforge.entry:console_main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_editable_install_imports_the_namespace():

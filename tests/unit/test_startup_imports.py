@@ -89,3 +89,23 @@ def test_fit_builds_only_the_fit_parser(monkeypatch, capsys):
     assert exit_.value.code in (0, None)
     assert built == ["fit"]
     assert "max_steps: 1" in capsys.readouterr().out  # the one parser still reads the whole recipe
+
+
+def test_the_console_script_freezes_the_heap_after_a_command_unless_triton_is_loaded(monkeypatch):
+    import gc
+    import sys
+
+    import kempnerforge.entry as entry
+
+    ran = []
+    monkeypatch.setattr(entry, "main", lambda argv=None: ran.append(argv))
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    try:
+        entry.console_main()
+        assert ran == [None] and gc.get_freeze_count() > 0  # shutdown collections skip the frozen heap
+        gc.unfreeze()
+        monkeypatch.setitem(sys.modules, "triton", object())
+        entry.console_main()
+        assert gc.get_freeze_count() == 0  # with Triton loaded its nanobind objects must be freed normally
+    finally:
+        gc.unfreeze()
