@@ -39,6 +39,7 @@ How to run
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -183,6 +184,8 @@ def phases_child(out: str) -> None:
     )
     phases["rest of the CLI"] = max(0.0, (t_end - t_imported) - sum(v for k, v in phases.items() if k != "imports"))
     Path(out).write_text(json.dumps({"phases": phases, "wall_start": wall_start, "wall_end": time.time(), "run": run}))
+    if "triton" not in sys.modules:
+        gc.freeze()  # the exit the console script takes (kempnerforge.entry.console_main)
 
 
 # --- the parent ----------------------------------------------------------------------------------------------
