@@ -21,7 +21,13 @@ variant, so "ours vs HF" compares equal networks.
     python benchmarks/moe_step.py --steps 60 --hf         # + ours vs HF Mixtral (Mixtral variant)
     python benchmarks/moe_step.py --json /tmp/moe.json
 
-Importable: :func:`moe_debug_configs`, :func:`measure_paired` (the lead's ``cpu_throughput.py`` row).
+Run as a script it sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (``--spin-wait`` keeps OpenMP's default):
+on a shared machine a 2-thread op's idle thread otherwise spins at the barrier while its partner is descheduled,
+and that spin, counted as process CPU time, grows with the number of parallel ops, not with the work (it made
+the same MoE layer read 3-6x its one-thread CPU time here). Passive waiting makes the CPU time count work.
+Importers (``cpu_throughput.py``) decide that themselves: the variable must be set before torch is imported.
+
+Importable: :func:`moe_debug_configs`, :func:`measure_paired`, :func:`moe_row` (the MoE row of ``cpu_throughput.py``).
 """
 
 from __future__ import annotations
@@ -30,21 +36,25 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-import yaml
-from torch import nn
+if __name__ == "__main__" and "--spin-wait" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp (see the module docstring)
 
-from kempnerforge.config import ModelConfig
-from kempnerforge.model import Transformer
-from kempnerforge.training.moe_balance import MoEStepTracker
-from kempnerforge.training.optimizers import OptimizerConfig, build_adamw
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import yaml  # noqa: E402
+from torch import nn  # noqa: E402
+
+from kempnerforge.config import ModelConfig  # noqa: E402
+from kempnerforge.model import Transformer  # noqa: E402
+from kempnerforge.training.moe_balance import MoEStepTracker  # noqa: E402
+from kempnerforge.training.optimizers import OptimizerConfig, build_adamw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_DEBUG = ROOT / "configs" / "moe_debug.yaml"
@@ -187,6 +197,7 @@ def moe_row(steps: int = 40, warmup: int = 3, hf: bool = False, path: Path = MOE
     step_ratio = paired_ratio(res, "moe", "dense")
     row = {
         "shape": {"batch": batch, "seq": seq, "threads": torch.get_num_threads()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
         "median_cpu_ms": {n: r["median_cpu_ms"] for n, r in res.items()},
         "moe_vs_dense_cpu": step_ratio,
         "active_flop_ratio": flop_ratio,
@@ -210,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--config", type=Path, default=MOE_DEBUG)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--spin-wait", action="store_true", help="keep OpenMP's default (spinning) wait policy")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
