@@ -77,21 +77,30 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_group
         (rows, out) in ``x``'s dtype.
     """
     if use_grouped and grouped_mm_supported(x):
-        offs = torch.cumsum(counts, dim=0).to(torch.int32)
-        if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
-            # The native op's fake kernel refuses these dtypes (see grouped_mm_op); same eager kernel.
-            return grouped_mm_op(x, w.transpose(-2, -1), offs)
-        out = _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
-        if out.requires_grad and not torch.compiler.is_compiling():
-            # The CPU backward rejects expanded (stride-0) output grads, e.g. from a plain .sum().
-            out.register_hook(lambda g: g.contiguous())
-        return out
+        return _grouped_mm_offs(x, w, group_offsets(counts))
     hook = ep_dispatch.SPLITS_HOOK  # kforge estimate: fake counts have no values to read back
     # The loop needs host sizes (a host sync; the grouped kernel does not).
     sizes = hook(x, counts.numel())[0] if hook is not None else counts.tolist()
     rest = x.shape[0] - sum(sizes)  # rows after the last group (dropped assignments): zeros
     chunks = x.split([*sizes, rest])
     return torch.cat([chunk @ w[e].T for e, chunk in enumerate(chunks[:-1])] + [x.new_zeros(rest, w.shape[1])], dim=0)
+
+
+def group_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM's ``offs``: (num_experts,) int32 cumulative row ends of ``counts`` (on its device)."""
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def _grouped_mm_offs(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_mm`'s kernel path with the offsets already computed (one cumsum per expert layer)."""
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        # The native op's fake kernel refuses these dtypes (see grouped_mm_op); same eager kernel.
+        return grouped_mm_op(x, w.transpose(-2, -1), offs)
+    out = _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
+    if out.requires_grad and not torch.compiler.is_compiling():
+        # The CPU backward rejects expanded (stride-0) output grads, e.g. from a plain .sum().
+        out.register_hook(lambda g: g.contiguous())
+    return out
 
 
 class GroupedExperts(nn.Module):
@@ -137,9 +146,12 @@ class GroupedExperts(nn.Module):
 
     def _local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self._weight(self.w1), self._weight(self.w2), self._weight(self.w3)
-        g = self.use_grouped_mm
-        h = F.silu(grouped_mm(x, w1, counts, g)) * grouped_mm(x, w3, counts, g)
-        return grouped_mm(h, w2, counts, g)
+        if self.use_grouped_mm and grouped_mm_supported(x):
+            offs = group_offsets(counts)  # once for the three GEMMs
+            h = F.silu(_grouped_mm_offs(x, w1, offs)) * _grouped_mm_offs(x, w3, offs)
+            return _grouped_mm_offs(h, w2, offs)
+        h = F.silu(grouped_mm(x, w1, counts, False)) * grouped_mm(x, w3, counts, False)
+        return grouped_mm(h, w2, counts, False)
 
 
 @dataclass
@@ -236,29 +248,41 @@ class MoE(nn.Module):
             order, kept_counts, keep = self._apply_capacity(order, flat_experts, counts)
             dropped = (counts - kept_counts).sum().float()
         token_idx = order // self.config.top_k
-        gate_w = route.weights.reshape(-1)[order].to(tokens.dtype)
+        gate_w = route.weights.reshape(-1).index_select(0, order).to(tokens.dtype)
         tp, expert_in = self.experts.tp_mesh, tokens
         if tp is not None:  # the experts' outputs are partial over TP: so are these two tensors' gradients
             expert_in, gate_w = grad_all_reduce(tokens, tp), grad_all_reduce(gate_w, tp)
+        # index_select, not x[idx]: its backward is an index_add, not the slower accumulating index_put.
         if keep is None:
-            routed = self.experts(expert_in[token_idx], kept_counts)
+            routed = self.experts(expert_in.index_select(0, token_idx), kept_counts)
         else:
             # Fixed shapes, no host sync: every assignment keeps its row; dropped ones sit after the kept
             # rows (beyond the experts' groups, so no expert computes them), read a zero row appended to
             # the tokens (whatever the grouped GEMM leaves in their output rows, and in their gradients,
             # never reaches a real token) and are masked out of the combine.
             padded = torch.cat([expert_in, tokens.new_zeros(1, dim)])
-            routed = self.experts(padded[torch.where(keep, token_idx, tokens.shape[0])], kept_counts)
+            routed = self.experts(padded.index_select(0, torch.where(keep, token_idx, tokens.shape[0])), kept_counts)
             routed = torch.where(keep[:, None], routed, 0)
-        out = torch.zeros_like(tokens).index_add_(0, token_idx, routed * gate_w[:, None].to(routed.dtype))
-        if len(self.shared_experts):
-            shared = sum(expert(tokens) for expert in self.shared_experts.values())
-            if self.shared_gate is not None:
-                gate = torch.sigmoid(self.shared_gate(tokens))
-                shared = (gate if tp is None else grad_all_reduce(gate, tp)) * shared
-            out = out + shared
+        # The combine accumulates into the shared experts' output (one out-of-place index_add: no zero-filled
+        # buffer, no extra sum); the backward of index_add is one index_select.
+        shared = self._shared(tokens, tp)
+        base = torch.zeros_like(tokens) if shared is None else shared
+        out = base.index_add(0, token_idx, routed * gate_w[:, None].to(routed.dtype))
         self._record(route, counts, dropped, batch)
         return out.view(batch, seq, dim)
+
+    def _shared(self, tokens: torch.Tensor, tp) -> torch.Tensor | None:
+        """Sum of the shared experts on ``tokens`` (tokens, dim), gated when ``shared_expert_gate``; None without."""
+        experts = list(self.shared_experts.values())
+        if not experts:
+            return None
+        shared = experts[0](tokens)
+        for expert in experts[1:]:
+            shared = shared + expert(tokens)
+        if self.shared_gate is not None:
+            gate = torch.sigmoid(self.shared_gate(tokens))
+            shared = (gate if tp is None else grad_all_reduce(gate, tp)) * shared
+        return shared
 
     def discard_saved_routing(self) -> None:
         """Forget the newest saved expert choice: its forward's backward will not recompute it (the
@@ -292,12 +316,16 @@ class MoE(nn.Module):
         cfg = self.config
         capacity = math.ceil(cfg.capacity_factor * flat_experts.numel() / cfg.num_experts)
         starts = torch.cumsum(counts, 0) - counts
-        sorted_experts = flat_experts[order]
-        position = torch.arange(order.numel(), device=order.device) - starts[sorted_experts]
-        keep = position < capacity
-        # Stable: kept rows stay grouped by expert in token order; the dropped ones move to the end.
-        last = torch.argsort(torch.where(keep, sorted_experts, cfg.num_experts), stable=True)
-        return order[last], counts.clamp(max=capacity), keep[last]
+        sorted_experts = flat_experts.index_select(0, order)
+        rank = torch.arange(order.numel(), device=order.device)
+        keep = rank - starts.index_select(0, sorted_experts) < capacity
+        # Kept rows stay grouped by expert in token order; the dropped ones move to the end, in order. A stable
+        # partition: each row's new place from prefix counts (a scan and a scatter, not a second sort).
+        kept_before = torch.cumsum(keep, 0) - keep.long()
+        n_kept = kept_before[-1:] + keep[-1:].long()
+        dest = torch.where(keep, kept_before, n_kept + rank - kept_before)
+        new_order = torch.empty_like(order).scatter_(0, dest, order)
+        return new_order, counts.clamp(max=capacity), rank < n_kept
 
     def _record(self, route, counts: torch.Tensor, dropped: torch.Tensor, batch: int) -> None:
         cfg = self.config

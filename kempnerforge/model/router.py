@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -103,7 +102,7 @@ class Router(nn.Module):
             if self.renormalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             probs = scores / scores.sum(dim=-1, keepdim=True)
-        return RouterOutput(logits, probs, indices, weights * self.route_scale)
+        return RouterOutput(logits, probs, indices, weights * self.route_scale if self.route_scale != 1.0 else weights)
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """The top_k experts of each token by ``scores`` (tokens, num_experts) (detached, biased for sigmoid).
@@ -173,7 +172,11 @@ def sequence_balance_loss(probs: torch.Tensor, indices: torch.Tensor, batch: int
     """
     num_experts, top_k = probs.shape[-1], indices.shape[-1]
     seq = probs.shape[0] // batch
-    onehot = F.one_hot(indices.view(batch, seq * top_k), num_experts).sum(dim=1).float()  # (batch, E)
-    f = onehot * (num_experts / (top_k * seq))
+    flat = indices.reshape(batch, seq * top_k)
+    # Per-sequence counts by scatter_add, not one_hot(...).sum(): no (batch, seq * k, E) temporary, and no min / max
+    # read-back (one_hot checks its input's range on the host on CPU).
+    chosen = torch.zeros(batch, num_experts, dtype=torch.float32, device=probs.device)
+    chosen.scatter_add_(1, flat, torch.ones(flat.shape, dtype=torch.float32, device=probs.device))  # (batch, E)
+    f = chosen * (num_experts / (top_k * seq))
     p = probs.float().view(batch, seq, num_experts).mean(dim=1)
     return (f * p).sum(dim=-1).mean()
