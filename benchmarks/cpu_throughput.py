@@ -107,6 +107,10 @@ def _early_threads(argv: list[str]) -> int | None:
 
 
 _THREADS = _early_threads(sys.argv[1:])
+if "--moe" in sys.argv[1:]:
+    # The MoE row's many small parallel ops make spinning OpenMP waits dominate on a shared machine
+    # (benchmarks/moe_step.py's docstring); passive waits must be chosen before torch loads libgomp.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if _THREADS is not None:
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
     os.environ["MKL_NUM_THREADS"] = str(_THREADS)
@@ -605,6 +609,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every trainer runs with glibc keeping freed memory (KempnerStrategy(cpu_keep_freed_memory=True));\n"
         "~30%% faster steps for all, but the heap grows without bound with (c) or (d): use with --only a,b",
     )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="also the MoE row (benchmarks/moe_step.py): configs/moe_debug.yaml vs its dense twin and HF Mixtral,\n"
+        "paired CPU time next to the active-FLOP ratio (OpenMP waits passively for the whole run)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     return p.parse_args(argv)
 
@@ -644,6 +654,27 @@ def _measure_once(cfg, sd, batches, args, only: list[str], skipped: dict[str, st
             gc.enable()
         meters.update({k: t.meter for k, t in plain.items()})
     return meters
+
+
+def print_moe_row(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoE row: ``configs/moe_debug.yaml``'s model vs the same model with ``num_experts=0``, and ours vs HF
+    Mixtral at a Mixtral-style variant of it, each a median of per-step paired CPU-time ratios."""
+    from moe_step import moe_row
+
+    print(
+        "\nMoE row (configs/moe_debug.yaml vs its dense twin; Mixtral variant vs HF MixtralForCausalLM) ...", flush=True
+    )
+    row = moe_row(steps=max(args.steps, 15), warmup=args.warmup, hf=True, seed=args.seed)
+    verdict = "PASS" if row["pass"] else "ABOVE TARGET"
+    print(
+        f"  MoE / dense step CPU time {row['moe_vs_dense_cpu']:.3f}; active-FLOP ratio {row['active_flop_ratio']:.4f}; "
+        f"target <= {row['target']:.4f}: {verdict} (OMP_WAIT_POLICY={row['omp_wait_policy']})"
+    )
+    print(
+        f"  ours / HF Mixtral step CPU time {row['ours_mixtral_vs_hf_cpu']:.3f} (< 1: ours faster); "
+        f"max per-step loss difference {row['max_loss_diff_ours_vs_hf']:.1e}"
+    )
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -812,6 +843,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "losses_equal_1e-5": losses_ok,
         "headline_a_over_b": headline,
     }
+    if args.moe:
+        results["moe"] = print_moe_row(args)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
