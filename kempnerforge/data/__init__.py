@@ -13,8 +13,7 @@
 Names are imported on first use, so ``kforge prepare-data`` does not pay for importing Lightning.
 """
 
-from importlib import import_module
-from typing import Any
+from kempnerforge.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "ChatDataModule": "chat_datamodule",
@@ -35,12 +34,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

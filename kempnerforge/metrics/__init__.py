@@ -5,8 +5,7 @@ metric would import torchmetrics (and with it scipy, matplotlib and transformers
 process that only builds a model, ``kforge generate`` / ``convert`` / ``eval --help`` included.
 """
 
-from importlib import import_module
-from typing import Any
+from kempnerforge.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "GPU_PEAK_BF16_FLOPS": "peak",
@@ -27,12 +26,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
