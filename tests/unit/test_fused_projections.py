@@ -31,7 +31,7 @@ SHAPES = {
 
 def _pair(shape: str, **over) -> tuple[ModelConfig, ModelConfig]:
     base = dict(n_layers=2, vocab_size=128, max_seq_len=32, multiple_of=16, **SHAPES[shape], **over)
-    return ModelConfig(**base), ModelConfig(**base, fuse_qkv=True, fuse_w13=True)
+    return ModelConfig(**base, fuse_qkv=False, fuse_w13=False), ModelConfig(**base, fuse_qkv=True, fuse_w13=True)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -188,7 +188,7 @@ def test_vlm_warm_start_across_layouts(arch, dense_fused, backbone_fused):
     from kempnerforge.model.vlm import build_backbone
     from tests.unit.vlm_backbone_utils import random_inputs, tiny_text_config
 
-    cfg = tiny_text_config()
+    cfg = tiny_text_config(fuse_qkv=False, fuse_w13=False)
     fuse = dict(fuse_qkv=True, fuse_w13=True)
     dense = Transformer(dataclasses.replace(cfg, **fuse) if dense_fused else cfg)
     dense.init_weights(seed=3)
@@ -266,3 +266,24 @@ def test_muon_refuses_fused_matrices():
     _, cfg = _pair("mha")
     with pytest.raises(ValueError, match=r"optimizer.name='muon' .* layers.0.attention.wqkv stacks several"):
         build_optimizer(Transformer(cfg), OptimizerConfig(name="muon"))
+
+
+def test_fused_is_the_default_and_muon_asks_for_the_separate_projections():
+    """Both fused by default; ``optimizer.name='muon'`` with the default config is refused at construction, before
+    any model exists, naming both flags; with them False (as configs/recipes/muon_wsd.yaml sets) it builds."""
+    from kempnerforge.module import CausalLM
+    from kempnerforge.training.optimizers import OptimizerConfig, check_optimizer_model
+
+    assert ModelConfig().fuse_qkv and ModelConfig().fuse_w13
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16, multiple_of=16)
+    with pytest.raises(ValueError, match=r"^model.config.fuse_qkv: optimizer.name='muon' needs the separate .*"
+                       r"--model.config.fuse_qkv=False --model.config.fuse_w13=False"):  # fmt: skip
+        CausalLM(cfg, optimizer=OptimizerConfig(name="muon"))
+    with pytest.raises(ValueError, match=r"^model.config.fuse_w13: "):
+        check_optimizer_model(OptimizerConfig(name="muon"), dataclasses.replace(cfg, fuse_qkv=False))
+    unfused = dataclasses.replace(cfg, fuse_qkv=False, fuse_w13=False)
+    check_optimizer_model(OptimizerConfig(name="muon"), unfused)
+    check_optimizer_model(OptimizerConfig(name="adamw"), cfg)
+    module = CausalLM(unfused, optimizer=OptimizerConfig(name="muon"))
+    module.configure_model()
+    assert "attention.wq" in dict(module.model.layers["0"].named_modules())
