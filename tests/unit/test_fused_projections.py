@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from kempnerforge.checkpoint.compat import model_config_diff
+from kempnerforge.checkpoint.compat import layout_resume_flags, model_config_diff
 from kempnerforge.checkpoint.hf_source import gather_source
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
@@ -167,6 +167,12 @@ def test_old_checkpoint_config_means_unfused():
         "model.config.fuse_qkv: saved False, now True (set --model.config.fuse_qkv=False to resume it)"
     ]
     assert model_config_diff({"config": old}, {"config": {**old, "fuse_qkv": False}}) == []
+    default = dataclasses.asdict(ModelConfig(dim=32, n_heads=4))  # now fused: resuming the old one needs both flags
+    assert layout_resume_flags({"config": old}, {"config": default}) == [
+        "--model.config.fuse_qkv=False",
+        "--model.config.fuse_w13=False",
+    ]
+    assert layout_resume_flags({"config": old}, {"config": {**default, "dim": 64}}) == []  # another model
 
 
 def test_split_state_dict_round_trip():
