@@ -341,8 +341,8 @@ def check_optimizer_model(cfg: OptimizerConfig, model_config: Any) -> None:
     fused = [n for n in ("fuse_qkv", "fuse_w13") if getattr(model_config, n, False) and (gqa or n == "fuse_w13")]
     if cfg.name == "muon" and fused:
         raise ValueError(
-            f"model.config.{fused[0]}: optimizer.name='muon' needs the separate projections (fuse_qkv and fuse_w13 "
-            "are True by default, and Muon would orthogonalize a fused wqkv / w13 as one matrix); set "
+            f"model.config.{fused[0]}=True (fuse_qkv and fuse_w13 are True by default) does not go with "
+            "optimizer.name='muon': Muon orthogonalizes each matrix, and a fused wqkv / w13 stacks several; set "
             "--model.config.fuse_qkv=False --model.config.fuse_w13=False (configs/recipes/muon_wsd.yaml does)"
         )
 

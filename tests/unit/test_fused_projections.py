@@ -282,10 +282,13 @@ def test_fused_is_the_default_and_muon_asks_for_the_separate_projections():
 
     assert ModelConfig().fuse_qkv and ModelConfig().fuse_w13
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16, multiple_of=16)
-    with pytest.raises(ValueError, match=r"^model.config.fuse_qkv: optimizer.name='muon' needs the separate .*"
-                       r"--model.config.fuse_qkv=False --model.config.fuse_w13=False"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"^model.config.fuse_qkv=True .* does not go with optimizer.name='muon'.*"
+                       r"--model.config.fuse_qkv=False --model.config.fuse_w13=False") as err:  # fmt: skip
         CausalLM(cfg, optimizer=OptimizerConfig(name="muon"))
-    with pytest.raises(ValueError, match=r"^model.config.fuse_w13: "):
+    from kempnerforge.cli_errors import error_line
+
+    assert error_line(err.value).startswith("kforge: error: model.config.fuse_qkv: model.config.fuse_qkv=True (")
+    with pytest.raises(ValueError, match=r"^model.config.fuse_w13=True "):
         check_optimizer_model(OptimizerConfig(name="muon"), dataclasses.replace(cfg, fuse_qkv=False))
     unfused = dataclasses.replace(cfg, fuse_qkv=False, fuse_w13=False)
     check_optimizer_model(OptimizerConfig(name="muon"), unfused)
