@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kempnerforge.config import ModelConfig
+from kempnerforge.model.fused import FUSED_QKV, FUSED_W13, split_state_dict
 
 
 def torchtitan_config(cfg: ModelConfig):
@@ -64,9 +65,19 @@ def torchtitan_config(cfg: ModelConfig):
     )
 
 
-def to_torchtitan_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_torchtitan_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """Our keys -> ``Llama3Model`` keys: a rename (its state dict exposes the fused ``wqkv`` as
-    ``qkv_linear.wq/wk/wv``, and its RoPE is rotate-half as ours, so no permutation)."""
+    ``qkv_linear.wq/wk/wv``, and its RoPE is rotate-half as ours, so no permutation). Our state dict may be in
+    either layout: fused ``wqkv`` / ``w13`` (the default) are first split with ``cfg``
+    (:func:`kempnerforge.model.fused.split_state_dict`; copies).
+
+    Raises:
+        ValueError: ``sd`` has a fused key and no ``cfg`` was given.
+    """
+    if cfg is not None:
+        sd = split_state_dict(sd, cfg)
+    elif fused := next((k for k in sd if FUSED_QKV.match(k) or FUSED_W13.match(k)), None):
+        raise ValueError(f"to_torchtitan_state_dict: {fused!r} is fused; pass the ModelConfig to split it")
     out = {}
     for key, value in sd.items():
         for proj in ("wq", "wk", "wv"):

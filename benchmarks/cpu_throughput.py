@@ -122,6 +122,7 @@ from torch import nn  # noqa: E402
 from kempnerforge.config import ModelConfig  # noqa: E402
 from kempnerforge.metrics.peak import matmul_peak  # noqa: E402
 from kempnerforge.model import Transformer  # noqa: E402
+from kempnerforge.model.fused import split_state_dict  # noqa: E402
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory  # noqa: E402
 from kempnerforge.training.lr import SchedulerConfig, build_scheduler  # noqa: E402
 from kempnerforge.training.optimizers import OptimizerConfig, build_adamw  # noqa: E402
@@ -202,7 +203,9 @@ def reference_state_dict(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]
 
 
 def to_litgpt_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our keys -> litgpt ``GPT`` keys (qkv is the row-concatenation [wq; wk; wv])."""
+    """Our keys -> litgpt ``GPT`` keys (qkv is the row-concatenation [wq; wk; wv]); ``sd`` in either layout (fused
+    ``wqkv`` / ``w13``, the default, are split first with ``cfg``)."""
+    sd = split_state_dict(sd, cfg)
     out = {
         "transformer.wte.weight": sd["tok_embeddings.weight"],
         "transformer.ln_f.weight": sd["norm.weight"],
@@ -466,7 +469,7 @@ def build_torchtitan(cfg: ModelConfig, sd: dict[str, torch.Tensor], batches: lis
         model = config.build()
     model.to_empty(device="cpu")
     model.init_states(buffer_device=torch.device("cpu"))  # the RoPE cache
-    model.load_state_dict(to_torchtitan_state_dict(sd), strict=True)
+    model.load_state_dict(to_torchtitan_state_dict(sd, cfg), strict=True)
     return PlainTrainer(model, lambda m, x: m(x), batches, args, sts)
 
 

@@ -60,7 +60,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -347,7 +347,8 @@ def build_torchtitan(cfg: ModelConfig, args, device: torch.device):
 
     with torch.device("meta"):
         model = torchtitan_config(cfg).build()
-        ours = Transformer(cfg)
+        # The same initial values in the separate layout (fused init is bit-identical): no split copies on the GPU.
+        ours = Transformer(replace(cfg, fuse_qkv=False, fuse_w13=False))
     model.to_empty(device=device)
     model.init_states(buffer_device=device)  # the RoPE cache
     ours.to_empty(device=device)

@@ -49,6 +49,7 @@ from kempnerforge.training.moe_balance import MoEStepTracker
 from kempnerforge.training.optimizers import (
     OptimizerConfig,
     build_optimizer,
+    check_optimizer_model,
     check_optimizer_schedule,
     set_schedule_free_mode,
 )
@@ -134,6 +135,7 @@ class CausalLM(LightningModule):
         self.z_loss_weight = z_loss_weight
         validate_loss_impl(loss_impl, loss_chunk_size)
         check_optimizer_schedule(optimizer, scheduler)
+        check_optimizer_model(optimizer, config)
         self.loss_chunk_size = loss_chunk_size
         self.loss_impl = loss_impl
         # Resolved again by validate_parallel with the mesh's tp / pp (a stock strategy: one process, no TP).

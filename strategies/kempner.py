@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
-from kempnerforge.checkpoint.compat import model_config_diff
+from kempnerforge.checkpoint.compat import layout_resume_flags, model_config_diff
 from kempnerforge.checkpoint.dcp_io import WEIGHTS_ONLY_KEY, CheckpointError, DCPCheckpointIO
 from kempnerforge.checkpoint.sharded_state import (
     fresh_start_meta,
@@ -537,6 +537,13 @@ class KempnerStrategy(ModelParallelStrategy):
             )
         except (RuntimeError, ValueError, CheckpointException) as err:  # missing / mis-shaped tensors: say why
             diff = model_config_diff(meta.get("hyper_parameters"), self.lightning_module.hparams)
+            flags = layout_resume_flags(meta.get("hyper_parameters"), self.lightning_module.hparams)
+            if flags:  # the same network with separate (or fused) projections: say how to resume it
+                raise CheckpointError(
+                    f"{path} holds the same model with its projections laid out differently ({'; '.join(diff)}): "
+                    f"checkpoints written before fused projections became the default hold the separate wq/wk/wv "
+                    f"and w1/w3. Resume it with {' '.join(flags)}."
+                ) from err
             if diff:
                 raise CheckpointError(
                     f"{path} was written by another model ({'; '.join(diff[:8])}), so it cannot be resumed into "

@@ -50,3 +50,27 @@ def _hint(group: str, key: str, saved: Any) -> str:
     return (
         f" (set --model.{group}.{key}={saved} to resume it)" if group == "config" and key in LEGACY_MODEL_FIELDS else ""
     )
+
+
+def layout_resume_flags(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
+    """The flags that resume a checkpoint whose model differs from this run's only in :data:`LEGACY_MODEL_FIELDS`
+    (the same network, its projections laid out differently: e.g. one written before ``fuse_qkv`` / ``fuse_w13``
+    existed, or with them False, resumed into a run with the default fused projections).
+
+    Args:
+        saved, current: as for :func:`model_config_diff`.
+
+    Returns:
+        ``["--model.config.fuse_qkv=False", "--model.config.fuse_w13=False"]`` (the saved values); empty when
+        nothing differs or when any other model setting differs too.
+    """
+    if not saved or any(saved.get(g) != current.get(g) for g in MODEL_GROUPS if g != "config"):
+        return []
+    a, b = saved.get("config"), current.get("config")
+    if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+        return []
+    a, b = with_legacy_fields(a), with_legacy_fields(b)
+    differ = sorted(k for k in {*a, *b} if a.get(k) != b.get(k))
+    if not differ or any(k not in LEGACY_MODEL_FIELDS for k in differ):
+        return []
+    return [f"--model.config.{k}={a.get(k)}" for k in differ]

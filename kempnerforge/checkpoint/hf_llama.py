@@ -15,7 +15,15 @@ import torch
 from kempnerforge.checkpoint.hf_source import HFSource
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.rope import RopeScaling
-from kempnerforge.model.fused import config_qkv_rows, join_state_dict, split_state_dict, unfused_names, w13_rows
+from kempnerforge.model.fused import (
+    FUSED_QKV,
+    FUSED_W13,
+    config_qkv_rows,
+    join_state_dict,
+    split_state_dict,
+    unfused_names,
+    w13_rows,
+)
 
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
@@ -295,11 +303,14 @@ def to_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig | None = N
     re-ties it from ``model.embed_tokens.weight``.
 
     Raises:
-        KeyError: naming a key that is not a Transformer parameter (e.g. a qk_norm weight).
+        KeyError: naming a key that is not a Transformer parameter (e.g. a qk_norm weight), or a fused key
+            without ``cfg``.
     """
     tied = _is_tied(sd, cfg)
     if cfg is not None:
         sd = split_state_dict(sd, cfg)  # fused wqkv / w13 -> HF's separate projections (copies)
+    elif fused := next((k for k in sd if FUSED_QKV.match(k) or FUSED_W13.match(k)), None):
+        raise KeyError(f"to_hf_state_dict: {fused!r} is a fused projection: pass cfg to split it into HF's tensors")
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
         if key == "output.weight" and tied:

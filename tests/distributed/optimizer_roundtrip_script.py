@@ -11,6 +11,7 @@ bit-identical.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -79,8 +80,11 @@ class Snap(Callback):
 def fit(name: str, args, ckpt_dir: Path, snap: Snap, resume: str | None) -> None:
     seed_everything(0, workers=True)
     decay = "constant" if name == "schedule_free_adamw" else "cosine"
+    config = tiny_config()
+    if name == "muon":  # Muon orthogonalizes each matrix: the separate projections (fused is the default)
+        config = dataclasses.replace(config, fuse_qkv=False, fuse_w13=False)
     module = CausalLM(
-        config=tiny_config(),
+        config=config,
         optimizer=OptimizerConfig(name=name, lr=LR[name], beta2=0.95),
         scheduler=SchedulerConfig(warmup_steps=2, decay=decay, total_steps=40),
         grad_clip=1.0,

@@ -88,6 +88,8 @@ def run(name: str, opts: dict, data: str, ckpt_root: Path) -> dict:
     decay = "constant" if opt_name == "schedule_free_adamw" else "cosine"
     tie = opts.get("tie", 0) == 1
     config = moe_config(tie) if opts.get("moe") else dataclasses.replace(tiny_config(tie=tie), n_layers=4)
+    if opt_name == "muon":  # Muon orthogonalizes each matrix: the separate projections (fused is the default)
+        config = dataclasses.replace(config, fuse_qkv=False, fuse_w13=False)
     module = CausalLM(
         config=config,
         optimizer=OptimizerConfig(name=opt_name, lr=LR[opt_name], **kernels),

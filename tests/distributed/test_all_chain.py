@@ -30,8 +30,8 @@ pytest.importorskip("torchao.float8")
 
 SCRIPT = HERE / "moe_tp_script.py"
 CHAIN = "router=chain,f8=tensorwise,ac=full,compile=1,backend=aot_eager"
-FLOAT8 = [f"layers.{i}.attention.{w}" for i in (0, 1) for w in ("wq", "wk", "wv", "wo")]
-FLOAT8 += [f"layers.0.feed_forward.{w}" for w in ("w1", "w2", "w3")]
+FLOAT8 = [f"layers.{i}.attention.{w}" for i in (0, 1) for w in ("wqkv", "wo")]  # the default fused projections
+FLOAT8 += [f"layers.0.feed_forward.{w}" for w in ("w13", "w2")]
 FLOAT8 += [f"layers.1.moe.shared_experts.0.{w}" for w in ("w1", "w2", "w3")]
 PIECES = [
     "layers.0",

@@ -45,10 +45,9 @@ def test_five_steps_equal_one_process(records, family, layout):
     placements = record["placements"]
     assert record["checkpointed"] == (layout == "tp")
     if layout == "tp":
-        assert placements["layers.0.attention.wq.weight"].startswith("(Shard(dim=0)")
-        if family == "qwen2":
-            for c in "qkv":  # the bias is sharded with its Colwise Linear's rows
-                assert placements[f"layers.0.attention.w{c}.bias"] == placements[f"layers.0.attention.w{c}.weight"]
+        assert placements["layers.0.attention.wqkv.weight"].startswith("(Shard(dim=0)")  # the default fused wqkv
+        if family == "qwen2":  # the bias is sharded with its Colwise Linear's rows
+            assert placements["layers.0.attention.wqkv.bias"] == placements["layers.0.attention.wqkv.weight"]
         if family.startswith("qwen3"):
             assert "Replicate()" in placements["layers.0.attention.q_norm.weight"]
     else:

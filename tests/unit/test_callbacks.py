@@ -150,7 +150,8 @@ def test_attention_probs_match_sdpa():
     assert probs.shape == (2, 4, SEQ, SEQ)
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, SEQ))
     assert probs.triu(1).abs().max() == 0  # causal
-    v = attn.wv(x).view(2, SEQ, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+    # The default fused wqkv: per KV group (2), its 2 query heads, then k, then v (index 3), 8 channels each.
+    v = attn.wqkv(x).view(2, SEQ, 2, 4, 8)[:, :, :, 3].transpose(1, 2).repeat_interleave(2, dim=1)
     out = attn.wo((probs @ v).transpose(1, 2).reshape(2, SEQ, 32))
     torch.testing.assert_close(out, attn(x, cos, sin), atol=1e-6, rtol=1e-5)
 

@@ -25,7 +25,8 @@ from kempnerforge.parallel.order import TransformOrderError, applied_steps, reco
 pytest.importorskip("torchao.float8")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
-# ffn_hidden_dim=40: w1/w3 (32 -> 40) and w2 (40 -> 32) are not multiples of 16 and must stay nn.Linear.
+# The default fused projections: wqkv 32 -> (4 + 2 * 2) * 8 = 64 and w13 32 -> 2 * 40 = 80 convert; ffn_hidden_dim=40
+# makes w2 (40 -> 32) a Linear whose in-features are not a multiple of 16: it must stay nn.Linear.
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=40)
 
 
@@ -36,9 +37,11 @@ def _swapped(model: nn.Module) -> list[str]:
 @pytest.mark.parametrize(
     ("module", "fqn", "expected"),
     [
-        (nn.Linear(32, 64), "layers.0.attention.wq", True),
-        (nn.Linear(32, 64), "layers.0._checkpoint_wrapped_module.attention.wq", True),
-        (nn.Linear(32, 40), "layers.0.feed_forward.w1", False),  # out not a multiple of 16
+        (nn.Linear(32, 64), "layers.0.attention.wqkv", True),
+        (nn.Linear(32, 64), "layers.0._checkpoint_wrapped_module.attention.wqkv", True),
+        (nn.Linear(32, 64), "layers.0.attention.wq", True),  # unfused (fuse_qkv=False)
+        (nn.Linear(32, 40), "layers.0.feed_forward.w13", False),  # out not a multiple of 16
+        (nn.Linear(32, 40), "layers.0.feed_forward.w1", False),
         (nn.Linear(40, 32), "layers.0.feed_forward.w2", False),  # in not a multiple of 16
         (nn.Linear(32, 96), "output", False),  # the head
         (nn.Linear(32, 64), "layers.1.moe.experts.0.w1", False),
@@ -56,9 +59,11 @@ def test_swap_on_meta_model_converts_exactly_the_eligible_linears(recipe):
     with torch.device("meta"):
         model = Transformer(CFG)
     converted = apply_float8(model, recipe)
-    expected = sorted(f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo"))
+    expected = sorted(
+        f"layers.{i}.{w}" for i in range(2) for w in ("attention.wqkv", "attention.wo", "feed_forward.w13")
+    )
     assert sorted(converted) == _swapped(model) == expected
-    assert type(model.output) is nn.Linear and type(model.layers["0"].feed_forward.w1) is nn.Linear
+    assert type(model.output) is nn.Linear and type(model.layers["0"].feed_forward.w2) is nn.Linear
     assert applied_steps(model) == ["float8"]
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in Transformer(CFG).named_parameters()]
 
@@ -75,7 +80,7 @@ def test_tiny_fp8_step_runs_and_is_close_to_fp32(recipe):
     out.float().logsumexp(-1).sum().backward()
     assert torch.isfinite(out).all()
     assert (out - ref).abs().max() < 0.05 * ref.abs().max()  # fp8 quantization error, not garbage
-    grad = model.layers["0"].attention.wq.weight.grad
+    grad = model.layers["0"].attention.wqkv.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
@@ -94,8 +99,8 @@ def test_float8_all_gather_with_fsdp2_world_1(gloo_world_1):
         model.init_weights(seed=0)
     reference = Transformer(CFG)
     reference.init_weights(seed=0)
-    w = model.layers["0"].attention.wq.weight
-    assert torch.equal(to_full(w).float(), reference.layers["0"].attention.wq.weight)
+    w = model.layers["0"].attention.wqkv.weight
+    assert torch.equal(to_full(w).float(), reference.layers["0"].attention.wqkv.weight)
     tokens = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
     model(tokens).float().logsumexp(-1).sum().backward()
     assert torch.isfinite(to_full(w.grad)).all()
@@ -198,7 +203,7 @@ def test_strategy_applies_fp8_in_the_chain():
     )
     trainer.fit(module, train_dataloaders=DataLoader(samples, batch_size=1))
     assert _swapped(module.model) == sorted(
-        f"layers.{i}.attention.{w}" for i in range(2) for w in ("wq", "wk", "wv", "wo")
+        f"layers.{i}.{w}" for i in range(2) for w in ("attention.wqkv", "attention.wo", "feed_forward.w13")
     )
     assert applied_steps(module.model) == ["ep", "float8", "activation_checkpoint", "compile", "fsdp"]
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
@@ -261,8 +266,8 @@ def test_float8_tp_plan_tensorwise_uses_torchao_float8_styles():
     plan = _block_plan(model, "tensorwise")
     styles = {k: type(v).__name__ for k, v in plan.items()}
     assert styles == {
-        **{f"attention.{w}": "Float8ColwiseParallel" for w in ("wq", "wk", "wv")},
-        **{f"feed_forward.{w}": "Float8ColwiseParallel" for w in ("w1", "w3")},
+        "attention.wqkv": "Float8ColwiseParallel",
+        "feed_forward.w13": "Float8ColwiseParallel",
         "attention.wo": "Float8RowwiseParallel",
         "feed_forward.w2": "Float8RowwiseParallel",
         "attention_norm": "SequenceParallel",
@@ -270,12 +275,11 @@ def test_float8_tp_plan_tensorwise_uses_torchao_float8_styles():
         "attention": "PrepareFloat8ModuleInput",
         "feed_forward": "PrepareFloat8ModuleInput",
     }
-    assert isinstance(plan["attention.wq"], Float8ColwiseParallel)
+    assert isinstance(plan["attention.wqkv"], Float8ColwiseParallel)
     assert isinstance(plan["feed_forward.w2"], Float8RowwiseParallel)
     assert isinstance(plan["attention"], PrepareFloat8ModuleInput)
     converted = sorted(n for n, m in model.layers["0"].named_modules() if isinstance(m, Float8Linear))
-    assert converted == sorted([*(f"attention.{w}" for w in ("wq", "wk", "wv", "wo")), "feed_forward.w1",
-                                "feed_forward.w2", "feed_forward.w3"])  # fmt: skip
+    assert converted == ["attention.wo", "attention.wqkv", "feed_forward.w13", "feed_forward.w2"]
     assert _swapped(model.layers["1"]) == []  # only the block it was given
 
 
@@ -284,13 +288,14 @@ def test_float8_tp_plan_rowwise_converts_but_keeps_the_stock_styles():
     stock = model.tp_plan(sequence_parallel=True, loss_parallel=True).block
     plan = _block_plan(model, "rowwise")
     assert {k: type(v) for k, v in plan.items()} == {k: type(v) for k, v in stock.items()}
-    assert len(_swapped(model.layers["0"])) == 7
+    assert len(_swapped(model.layers["0"])) == 4  # wqkv, wo, w13, w2
 
 
 def test_float8_tp_plan_keeps_linears_whose_tp_shard_is_not_a_multiple_of_16():
     """n_kv_heads=2 of 8 channels: wk / wv are 32 -> 16, 8 per TP rank: they stay nn.Linear with stock styles, and
     the attention input is not cast to float8 before its all-gather (wk / wv read it in high precision)."""
-    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=32)
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=96, max_seq_len=16, ffn_hidden_dim=32,
+                      fuse_qkv=False, fuse_w13=False)  # fmt: skip  # separate wk / wv: the small GEMMs
     model = Transformer(cfg)
     plan = _block_plan(model, "tensorwise")
     attn = model.layers["0"].attention
@@ -318,7 +323,7 @@ def test_fp8_step_after_tp_conversion_converts_the_rest_and_lists_all():
     record_step(model, "tp")
     _block_plan(model, "tensorwise")
     converted = apply_float8(model, "tensorwise")
-    assert sorted(converted) == _swapped(model) and len(converted) == 14  # 7 by the TP step, 7 (block 1) here
+    assert sorted(converted) == _swapped(model) and len(converted) == 8  # 4 by the TP step, 4 (block 1) here
     assert applied_steps(model) == ["tp", "float8"]
 
 

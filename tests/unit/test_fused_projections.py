@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from kempnerforge.checkpoint.compat import model_config_diff
+from kempnerforge.checkpoint.compat import layout_resume_flags, model_config_diff
 from kempnerforge.checkpoint.hf_source import gather_source
 from kempnerforge.config import ModelConfig
 from kempnerforge.model import Transformer
@@ -31,7 +31,7 @@ SHAPES = {
 
 def _pair(shape: str, **over) -> tuple[ModelConfig, ModelConfig]:
     base = dict(n_layers=2, vocab_size=128, max_seq_len=32, multiple_of=16, **SHAPES[shape], **over)
-    return ModelConfig(**base), ModelConfig(**base, fuse_qkv=True, fuse_w13=True)
+    return ModelConfig(**base, fuse_qkv=False, fuse_w13=False), ModelConfig(**base, fuse_qkv=True, fuse_w13=True)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -167,6 +167,12 @@ def test_old_checkpoint_config_means_unfused():
         "model.config.fuse_qkv: saved False, now True (set --model.config.fuse_qkv=False to resume it)"
     ]
     assert model_config_diff({"config": old}, {"config": {**old, "fuse_qkv": False}}) == []
+    default = dataclasses.asdict(ModelConfig(dim=32, n_heads=4))  # now fused: resuming the old one needs both flags
+    assert layout_resume_flags({"config": old}, {"config": default}) == [
+        "--model.config.fuse_qkv=False",
+        "--model.config.fuse_w13=False",
+    ]
+    assert layout_resume_flags({"config": old}, {"config": {**default, "dim": 64}}) == []  # another model
 
 
 def test_split_state_dict_round_trip():
@@ -188,7 +194,7 @@ def test_vlm_warm_start_across_layouts(arch, dense_fused, backbone_fused):
     from kempnerforge.model.vlm import build_backbone
     from tests.unit.vlm_backbone_utils import random_inputs, tiny_text_config
 
-    cfg = tiny_text_config()
+    cfg = tiny_text_config(fuse_qkv=False, fuse_w13=False)
     fuse = dict(fuse_qkv=True, fuse_w13=True)
     dense = Transformer(dataclasses.replace(cfg, **fuse) if dense_fused else cfg)
     dense.init_weights(seed=3)
@@ -266,3 +272,27 @@ def test_muon_refuses_fused_matrices():
     _, cfg = _pair("mha")
     with pytest.raises(ValueError, match=r"optimizer.name='muon' .* layers.0.attention.wqkv stacks several"):
         build_optimizer(Transformer(cfg), OptimizerConfig(name="muon"))
+
+
+def test_fused_is_the_default_and_muon_asks_for_the_separate_projections():
+    """Both fused by default; ``optimizer.name='muon'`` with the default config is refused at construction, before
+    any model exists, naming both flags; with them False (as configs/recipes/muon_wsd.yaml sets) it builds."""
+    from kempnerforge.module import CausalLM
+    from kempnerforge.training.optimizers import OptimizerConfig, check_optimizer_model
+
+    assert ModelConfig().fuse_qkv and ModelConfig().fuse_w13
+    cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, max_seq_len=16, multiple_of=16)
+    with pytest.raises(ValueError, match=r"^model.config.fuse_qkv=True .* does not go with optimizer.name='muon'.*"
+                       r"--model.config.fuse_qkv=False --model.config.fuse_w13=False") as err:  # fmt: skip
+        CausalLM(cfg, optimizer=OptimizerConfig(name="muon"))
+    from kempnerforge.cli_errors import error_line
+
+    assert error_line(err.value).startswith("kforge: error: model.config.fuse_qkv: model.config.fuse_qkv=True (")
+    with pytest.raises(ValueError, match=r"^model.config.fuse_w13=True "):
+        check_optimizer_model(OptimizerConfig(name="muon"), dataclasses.replace(cfg, fuse_qkv=False))
+    unfused = dataclasses.replace(cfg, fuse_qkv=False, fuse_w13=False)
+    check_optimizer_model(OptimizerConfig(name="muon"), unfused)
+    check_optimizer_model(OptimizerConfig(name="adamw"), cfg)
+    module = CausalLM(unfused, optimizer=OptimizerConfig(name="muon"))
+    module.configure_model()
+    assert "attention.wq" in dict(module.model.layers["0"].named_modules())

@@ -17,11 +17,14 @@ from kempnerforge.model import RMSNorm, Transformer
 transformers = pytest.importorskip("transformers")
 
 
-def _cfg(n_kv_heads: int | None, tie: bool) -> ModelConfig:
+def _cfg(n_kv_heads: int | None, tie: bool, **kw) -> ModelConfig:
     return ModelConfig(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=256, max_seq_len=32,
-        multiple_of=32, tie_embeddings=tie,
+        multiple_of=32, tie_embeddings=tie, **kw,
     )  # fmt: skip
+
+
+UNFUSED = dict(fuse_qkv=False, fuse_w13=False)  # our keys rename 1:1 to HF's (no copies, no cfg needed)
 
 
 def _random_model(cfg: ModelConfig, seed: int = 7) -> Transformer:
@@ -63,7 +66,7 @@ def test_logits_match_hf(n_kv_heads, tie):
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_state_dict_round_trip(tie):
-    cfg = _cfg(2, tie)
+    cfg = _cfg(2, tie, **UNFUSED)
     sd = _random_model(cfg).state_dict()
     hf_sd = to_hf_state_dict(sd, cfg)
     assert ("lm_head.weight" in hf_sd) is (not tie)
@@ -89,8 +92,11 @@ def test_from_hf_accepts_hf_state_dict_and_loads_strict():
 def test_unknown_and_missing_keys_raise():
     cfg = _cfg(None, False)
     sd = _random_model(cfg).state_dict()
+    with pytest.raises(KeyError, match="'layers.0.attention.wqkv.weight' is a fused projection: pass cfg"):
+        to_hf_state_dict(sd)  # the default fused layout cannot be split without the config
+    plain = _random_model(_cfg(None, False, **UNFUSED)).state_dict()
     with pytest.raises(KeyError, match="layers.0.attention.bogus.weight"):
-        to_hf_state_dict({**sd, "layers.0.attention.bogus.weight": torch.zeros(1)})
+        to_hf_state_dict({**plain, "layers.0.attention.bogus.weight": torch.zeros(1)})
     hf_sd = to_hf_state_dict(sd, cfg)
     with pytest.raises(KeyError, match="model.layers.2.mlp.up_proj.weight"):
         from_hf_state_dict({**hf_sd, "model.layers.2.mlp.up_proj.weight": torch.zeros(1)}, cfg)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -199,12 +201,22 @@ def test_bad_folder_weights_are_refused_from_the_headers_before_any_load(llama_f
         "truncated": (variant("truncated", cut=100), PathError, "cannot be opened.*not fully covered"),
         "missing_tensor": (variant("missing", sd=no_norm), UserError, "no tensor 'model.norm.weight'"),
         "extra_tensor": (variant("extra", sd=extra), UserError, "no kempnerforge parameter.*q_proj.bias"),
-        "shape": (variant("shape", config=wider), UserError, r"gate_proj.weight' has shape \(48, 32\).*\(40, 32\)"),
+        # The default fused w13 reads gate_proj and up_proj as one (2 * 40, 32) tensor.
+        "shape": (
+            variant("shape", config=wider),
+            UserError,
+            r"\['model.layers.0.mlp.gate_proj.weight', "
+            r"'model.layers.0.mlp.up_proj.weight'\] of shapes \[\(48, 32\), \(48, 32\)\] cannot be "
+            r"concatenated into \(80, 32\)",
+        ),  # fmt: skip
     }
     for name, (folder, error, pattern) in cases.items():
         with pytest.raises(error, match=pattern) as err:
             check_hf_weights(folder, model_config_from_folder(folder))
         assert err.value.field == "model.init_from", name
+    unfused = dataclasses.replace(model_config_from_folder(tmp_path / "shape"), fuse_qkv=False, fuse_w13=False)
+    with pytest.raises(UserError, match=r"gate_proj.weight' has shape \(48, 32\).*\(40, 32\)"):
+        check_hf_weights(tmp_path / "shape", unfused)
     index = variant("sharded")
     (index / "model.safetensors").rename(index / "model-00001-of-00002.safetensors")
     weight_map = dict.fromkeys(tensors, "model-00001-of-00002.safetensors") | {

@@ -70,9 +70,9 @@ def test_meta_init_of_qkv_biases_head_dim_and_scaled_rope():
     model.init_weights(seed=5)
     _assert_same_state(model, _eager(cfg, seed=5))
     attn = model.layers["0"].attention
-    assert attn.wo.bias is None and attn.wq.weight.shape == (4 * 24, 64)
-    for proj in (attn.wq, attn.wk, attn.wv):
-        assert proj.bias is not None and torch.equal(proj.bias, torch.zeros_like(proj.bias))
+    # The default fused wqkv: 4 query + 2 key + 2 value heads of 24 channels.
+    assert attn.wo.bias is None and attn.wqkv.weight.shape == ((4 + 2 * 2) * 24, 64)
+    assert attn.wqkv.bias is not None and torch.equal(attn.wqkv.bias, torch.zeros_like(attn.wqkv.bias))
     assert torch.equal(model.rope_cos, model_rope_tables(cfg)[0])
     assert not torch.equal(model.rope_cos, model_rope_tables(_cfg(head_dim=24))[0])
 
@@ -86,9 +86,9 @@ def test_init_independent_of_global_rng_and_seeded():
     b = _eager(cfg, seed=1)
     _assert_same_state(b, a)
     c = _eager(cfg, seed=2)
-    assert not torch.equal(c.layers["0"].attention.wq.weight, a.layers["0"].attention.wq.weight)
+    assert not torch.equal(c.layers["0"].attention.wqkv.weight, a.layers["0"].attention.wqkv.weight)
     # Distinct parameters get distinct streams (no two weights of the same shape are equal).
-    assert not torch.equal(a.layers["0"].attention.wq.weight, a.layers["1"].attention.wq.weight)
+    assert not torch.equal(a.layers["0"].attention.wqkv.weight, a.layers["1"].attention.wqkv.weight)
 
 
 def test_init_std_and_residual_scaling():
@@ -97,7 +97,7 @@ def test_init_std_and_residual_scaling():
     block = model.layers["0"]
     scaled = 0.02 / math.sqrt(2 * cfg.n_layers)
     for weight, std in [
-        (block.feed_forward.w1.weight, 0.02),
+        (block.feed_forward.w13.weight, 0.02),  # the default fused gate/up
         (model.tok_embeddings.weight, 0.02),
         (model.output.weight, 0.02),
         (block.attention.wo.weight, scaled),
@@ -172,7 +172,7 @@ def test_fsdp2_meta_init_equals_eager(gloo_world_of_one, tie):
     model.to_empty(device="cpu")
     model.tie_weights()
     model.init_weights(seed=11)
-    assert isinstance(model.layers["0"].attention.wq.weight, DTensor)
+    assert isinstance(model.layers["0"].attention.wqkv.weight, DTensor)
     assert (model.output.weight is model.tok_embeddings.weight) is tie
     ref = _eager(cfg, seed=11)
     _assert_same_state(model, ref)
@@ -182,7 +182,8 @@ def test_fsdp2_meta_init_equals_eager(gloo_world_of_one, tie):
 
 
 def test_gqa_shapes_and_equivalence_to_repeated_kv_heads():
-    gqa_cfg = _cfg(n_heads=4, n_kv_heads=2)
+    unfused = dict(fuse_qkv=False, fuse_w13=False)  # the test edits wk / wv by name
+    gqa_cfg = _cfg(n_heads=4, n_kv_heads=2, **unfused)
     gqa = _eager(gqa_cfg, seed=0)
     assert gqa.layers["0"].attention.wk.weight.shape == (2 * 16, 64)
     tokens = torch.randint(0, 256, (3, 12))
@@ -190,7 +191,7 @@ def test_gqa_shapes_and_equivalence_to_repeated_kv_heads():
         out = gqa(tokens)
     assert out.shape == (3, 12, 256) and out.dtype == torch.float32
     # The same network as MHA with each KV head's weights repeated for its query-head group.
-    mha = Transformer(_cfg(n_heads=4, n_kv_heads=None))
+    mha = Transformer(_cfg(n_heads=4, n_kv_heads=None, **unfused))
     sd = gqa.state_dict()
     for key in [k for k in sd if k.endswith(("attention.wk.weight", "attention.wv.weight"))]:
         sd[key] = sd[key].view(2, 16, 64).repeat_interleave(2, dim=0).reshape(64, 64)
@@ -223,7 +224,7 @@ def test_ffn_hidden_rule():
     assert ModelConfig(dim=4096, n_heads=32, multiple_of=256).ffn_hidden == 11008
     assert ModelConfig(dim=64, n_heads=4, ffn_hidden_dim=100).ffn_hidden == 100
     model = Transformer(_cfg(multiple_of=32))
-    assert model.layers["0"].feed_forward.w1.weight.shape == (192, 64)  # int(8*64/3)=170 -> 192
+    assert model.layers["0"].feed_forward.w13.weight.shape == (2 * 192, 64)  # int(8*64/3)=170 -> 192, gate + up
 
 
 @pytest.mark.parametrize(

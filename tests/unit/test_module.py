@@ -55,9 +55,9 @@ def test_fit_then_validate_reuses_the_model(shakespeare_tokens):
     data = TokenDataModule(str(shakespeare_tokens), seq_len=32, micro_batch_size=2)
     trainer = _trainer(strategy=KempnerStrategy(), max_steps=3, limit_val_batches=2, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)
-    weights = to_full(module.model.layers["0"].attention.wq.weight).clone()
+    weights = to_full(module.model.layers["0"].attention.wqkv.weight).clone()
     (result,) = trainer.validate(module, datamodule=data)
-    assert torch.equal(to_full(module.model.layers["0"].attention.wq.weight), weights)  # not re-initialized
+    assert torch.equal(to_full(module.model.layers["0"].attention.wqkv.weight), weights)  # not re-initialized
     assert result["val/loss"] < 10.9
 
 

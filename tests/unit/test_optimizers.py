@@ -19,7 +19,9 @@ from kempnerforge.training.optimizers import (
     set_schedule_free_mode,
 )
 
-CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, max_seq_len=16, multiple_of=16)
+# Separate projections: Muon orthogonalizes each matrix and refuses the default fused wqkv / w13.
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, max_seq_len=16, multiple_of=16,
+                  fuse_qkv=False, fuse_w13=False)  # fmt: skip
 
 
 def _model(cfg: ModelConfig = CFG) -> Transformer:

@@ -39,7 +39,10 @@ def test_recipe_overlay_instantiates_its_optimizer_and_schedule(path, tmp_path, 
     cli = KForgeCLI(CausalLM, TokenDataModule, args=args, run=False, auto_configure_optimizers=False)
     opt_name, family = EXPECTED[path.stem]
     assert cli.model.scheduler_config.decay == family
-    tiny = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=8, multiple_of=16))
+    layout = {k: getattr(cli.model.config, k) for k in ("fuse_qkv", "fuse_w13")}  # muon_wsd sets both False
+    tiny = Transformer(
+        ModelConfig(dim=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=8, multiple_of=16, **layout)
+    )
     optimizer = build_optimizer(tiny, cli.model.optimizer_config)
     assert type(optimizer).__name__ == opt_name
     scheduler = build_scheduler(optimizer, cli.model.scheduler_config, 100)

@@ -36,18 +36,19 @@ def tp_mesh(gloo_world_1):
 # -- the declared plan ----------------------------------------------------------------------------
 
 
-def test_plan_covers_every_linear_and_matches_the_model():
-    model = _meta_model(qk_norm=True)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-default", "unfused"])
+def test_plan_covers_every_linear_and_matches_the_model(fused):
+    model = _meta_model(qk_norm=True, fuse_qkv=fused, fuse_w13=fused)
     plan = model.tp_plan(sequence_parallel=True, loss_parallel=True)
     assert set(plan.root) == {"tok_embeddings", "norm", "output"}
-    assert set(plan.block) == {
-        "attention.wq",
-        "attention.wk",
-        "attention.wv",
+    projections = (
+        {"attention.wqkv", "feed_forward.w13"}
+        if fused
+        else {"attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"}
+    )
+    assert set(plan.block) == projections | {
         "attention.wo",
-        "feed_forward.w1",
         "feed_forward.w2",
-        "feed_forward.w3",
         "attention_norm",
         "ffn_norm",
         "attention",
@@ -79,7 +80,7 @@ def test_apply_tp_shards_every_planned_weight_and_keeps_tied_weights_tied(tp_mes
     apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
     assert applied_steps(model) == ["tp"]
     assert model.output.weight is model.tok_embeddings.weight
-    for name in ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.feed_forward.w2.weight"):
+    for name in ("tok_embeddings.weight", "layers.0.attention.wqkv.weight", "layers.1.feed_forward.w2.weight"):
         assert isinstance(model.get_parameter(name), DTensor), name
     assert not isinstance(model.norm.weight, DTensor)  # no sequence parallel: norms stay plain
 
@@ -112,7 +113,7 @@ def test_apply_tp_on_moe_shards_expert_hidden_channels_and_keeps_router_plain(tp
     assert moe.experts.tp_mesh is tp_mesh
     assert isinstance(moe.shared_experts["1"].w2.weight, DTensor)
     assert not isinstance(moe.router.gate.weight, DTensor) and not isinstance(moe.shared_gate.weight, DTensor)
-    assert isinstance(model.layers["0"].feed_forward.w1.weight, DTensor)  # the dense block keeps the dense plan
+    assert isinstance(model.layers["0"].feed_forward.w13.weight, DTensor)  # the dense block keeps the dense plan
 
 
 def test_moe_model_with_a_plan_lacking_moe_block_raises(tp_mesh):
@@ -123,7 +124,7 @@ def test_moe_model_with_a_plan_lacking_moe_block_raises(tp_mesh):
 
     with torch.device("meta"):
         model = DenseOnly(_config(**MOE))
-    with pytest.raises(ValueError, match=r"'layers.1.feed_forward.w1'"):
+    with pytest.raises(ValueError, match=r"'layers.1.feed_forward.w13'"):
         apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
 
 
@@ -131,7 +132,7 @@ def test_plan_matching_nothing_raises_and_names_the_entries(tp_mesh):
     class Renamed(Transformer):
         def tp_plan(self, *, sequence_parallel=False, loss_parallel=True):
             plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-            plan.block["attention.wqkv"] = plan.block.pop("attention.wq")
+            plan.block["attention.qkv_proj"] = plan.block.pop("attention.wqkv")
             plan.root["lm_head"] = plan.root.pop("output")
             return plan
 
@@ -140,7 +141,7 @@ def test_plan_matching_nothing_raises_and_names_the_entries(tp_mesh):
     with pytest.raises(
         ValueError,
         match=r"Tensor-parallel plan entries matched no module: \['root:lm_head', "
-        r"'layers.0.attention.wqkv', 'layers.1.attention.wqkv'\]",
+        r"'layers.0.attention.qkv_proj', 'layers.1.attention.qkv_proj'\]",
     ):
         apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
 
@@ -152,7 +153,9 @@ def test_plan_after_a_wrapper_matches_nothing_and_raises(tp_mesh):
     model = _meta_model()
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block)
-    with pytest.raises(ValueError, match=r"matched no module: \['layers.0.attention.wq', "):
+    with pytest.raises(
+        ValueError, match=r"matched no module: \[.*'layers.0.attention.wqkv', .*'layers.1.feed_forward.w13'\]"
+    ):
         apply_tp(model, tp_mesh, sequence_parallel=False, loss_parallel=True)
 
 

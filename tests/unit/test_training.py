@@ -122,7 +122,9 @@ def test_no_decay_on_norms_biases_embeddings_and_tied_head():
     assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
     assert id(model.tok_embeddings.weight) in no_decay and id(model.output.weight) in no_decay
     assert id(model.norm.weight) in no_decay
-    assert id(model.layers["0"].attention.wq.weight) in decay
+    assert (
+        id(model.layers["0"].attention.wqkv.weight) in decay and id(model.layers["0"].feed_forward.w13.weight) in decay
+    )
     assert len(decay) + len(no_decay) == len(list(model.parameters()))
     opt = build_adamw(model, OptimizerConfig(lr=1e-3))
     assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.95)

@@ -131,7 +131,7 @@ def test_wrapper_state_tree_init_and_tp_plan():
     for (n, a), (_, b) in zip(meta.state_dict().items(), eager.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
     plan = model.tp_plan()
-    assert "backbone.tok_embeddings" in plan.root and "attention.wq" in plan.block
+    assert "backbone.tok_embeddings" in plan.root and "attention.wqkv" in plan.block
     assert model.layers is model.backbone.layers
     units = model.fsdp_units()
     assert units[-1] is model.connector and units[-2] is model.encoder and len(units) == 2 + 2

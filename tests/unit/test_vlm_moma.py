@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model import Transformer
+from kempnerforge.model.fused import split_state_dict
 from kempnerforge.model.vlm import build_backbone
 from kempnerforge.model.vlm.expert_choice import ExpertChoiceFFN, expert_capacity
 from kempnerforge.model.vlm.moma import MoMaBackbone, MoMaBlock
@@ -163,12 +164,13 @@ def test_warm_start_upcycles_the_dense_ffn_into_every_expert():
     router_before = model.layers["0"].feed_forward["text"].router.weight.clone()
     model.load_text_state_dict(dense.state_dict())
     block, dense_block = model.layers["0"], dense.layers["0"]
-    assert torch.equal(block.attention.wq.weight, dense_block.attention.wq.weight)
+    assert torch.equal(block.attention.wqkv.weight, dense_block.attention.wqkv.weight)  # both the default fused
     assert torch.equal(model.output.weight, dense.output.weight)
+    separate = split_state_dict(dense.state_dict(), cfg)  # the dense w13 holds the gate / up the experts copy
     for name in ("text", "image"):
         experts = block.feed_forward[name].experts
         for w in ("w1", "w2", "w3"):
-            want = getattr(dense_block.feed_forward, w).weight
+            want = separate[f"layers.0.feed_forward.{w}.weight"]
             assert all(torch.equal(getattr(experts, w)[e], want) for e in range(3))
     assert torch.equal(block.feed_forward["text"].router.weight, router_before)  # routers keep their init
     wide = _moma(tiny_text_config(expert_width_multiplier=0.5))
@@ -194,7 +196,7 @@ def test_config_refusals_tp_plan_and_training_only():
     model = _moma(tiny_text_config(qk_norm=True))
     assert model.training_only is True
     plan = model.tp_plan(loss_parallel=False)
-    assert set(plan.block) == {f"attention.{w}" for w in ("wq", "wk", "wv", "wo", "q_norm", "k_norm")}
+    assert set(plan.block) == {f"attention.{w}" for w in ("wqkv", "wo", "q_norm", "k_norm")}
     assert not unmatched_plan_entries(model.layers["0"], plan.block)
     with pytest.raises(ValueError, match="sequence_parallel"):
         model.tp_plan(sequence_parallel=True)
