@@ -12,7 +12,8 @@ When a configuration does not fit, candidates are scored:
   head + loss never holds them; ``auto`` already fuses at tp=1 without a pipeline), the knobs whose effect on
   activations is not proportional;
 - reasoned from the peak's breakdown: more GPUs for FSDP2 (parameters, gradients and optimizer states
-  divide by the ``dp_shard`` factor), and a doubled ``tp`` at the same world size (activations and gathered
+  divide by the ``dp_shard`` factor; the rest of the peak is at least the activations' peak, since the peak can
+  move from the optimizer step into the backward), and a doubled ``tp`` at the same world size (activations and gathered
   weights halve; states stay, being sharded over ``dp_shard x tp`` either way).
 """
 
@@ -47,7 +48,9 @@ def _more_gpus(est: Estimate, worst: RoleEstimate, budget: int) -> Suggestion | 
     rest = worst.peak_bytes - states
     nodes, devices = est.num_nodes, est.devices_per_node
     for k in (2, 4, 8, 16, 32, 64):
-        peak = rest + states // k
+        # With the states divided the peak can move from where it is now (often the optimizer step, with
+        # the activations freed) to the backward, where the activations are still held: take the larger.
+        peak = max(rest, worst.peak_activation_bytes) + states // k
         if needed(peak) <= budget or k == 64:
             d, n = devices, nodes
             factor = k

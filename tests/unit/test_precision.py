@@ -142,17 +142,18 @@ def test_cli_refuses_every_other_precision_in_one_line(precision):
 
 
 class _Probe(Callback):
-    """Records the losses, whether autocast was on in the forward, and the dtypes of logits and master weights."""
+    """Records the losses, whether autocast was on in the forward, and the dtype of what the head computes on
+    (the final norm's output: the default fused head + loss reads the head weight without calling the module)."""
 
     def __init__(self) -> None:
-        self.losses, self.autocast, self.logits_dtype = [], [], None
+        self.losses, self.autocast, self.head_input_dtype = [], [], None
 
     def on_train_start(self, trainer, pl_module) -> None:
         def hook(_m, _args, out):
             self.autocast.append(torch.is_autocast_enabled("cpu"))
-            self.logits_dtype = out.dtype
+            self.head_input_dtype = out.dtype
 
-        pl_module.model.output.register_forward_hook(hook)
+        pl_module.model.norm.register_forward_hook(hook)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
@@ -165,7 +166,7 @@ def _fit(strategy: KempnerStrategy, **kw) -> tuple[_Probe, CausalLM]:
 
 
 def test_bf16_mixed_is_the_same_run_as_the_bf16_policy_with_fp32_master_weights():
-    """One mechanism: trainer.precision=bf16-mixed == mixed_precision_param=bfloat16 bit for bit, bf16 logits,
+    """One mechanism: trainer.precision=bf16-mixed == mixed_precision_param=bfloat16 bit for bit, a bf16 head,
     no autocast, fp32 sharded parameters; and it differs from the fp32 run (bf16 compute really happens)."""
     mixed, module = _fit(KempnerStrategy(), precision="bf16-mixed")
     policy, _ = _fit(KempnerStrategy(mixed_precision_param="bfloat16"))
@@ -173,7 +174,7 @@ def test_bf16_mixed_is_the_same_run_as_the_bf16_policy_with_fp32_master_weights(
     assert mixed.losses == policy.losses and len(mixed.losses) == 2
     assert mixed.losses != fp32.losses
     assert mixed.losses == pytest.approx(fp32.losses, rel=2e-2)
-    assert mixed.logits_dtype == torch.bfloat16 and fp32.logits_dtype == torch.float32
+    assert mixed.head_input_dtype == torch.bfloat16 and fp32.head_input_dtype == torch.float32
     assert not any(mixed.autocast)
     assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in module.model.parameters())
 
