@@ -135,6 +135,7 @@ class KForgeCLI(LightningCLI):
         self._requested = requested_subcommand(argv)
         super().__init__(*args, parser_class=parser_class, **kwargs)
 
+    @override
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override] - Lightning's is a staticmethod
         """Lightning's subcommands, only the one on the command line when it names one (:func:`requested_subcommand`):
         each subcommand's parser holds every Trainer, model and data argument, so building all four parsers made the
