@@ -32,7 +32,7 @@ def torchtitan_config(cfg: ModelConfig):
 
     # Weights come from ours (load_state_dict), so torchtitan's own init functions are not needed.
     keep = {"weight": lambda t: None}
-    rope = CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta)
+    rope = CosSinRoPE.Config(dim=cfg.head_dim_resolved, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta)
 
     def norm():
         return RMSNorm.Config(normalized_shape=cfg.dim, eps=cfg.norm_eps, param_init=keep)

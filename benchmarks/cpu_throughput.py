@@ -437,7 +437,7 @@ def litgpt_config(cfg: ModelConfig):
         n_head=cfg.n_heads,
         n_query_groups=cfg.n_kv_heads_resolved,
         n_embd=cfg.dim,
-        head_size=cfg.head_dim,
+        head_size=cfg.head_dim_resolved,
         intermediate_size=cfg.ffn_hidden,
         rotary_percentage=1.0,
         parallel_residual=False,

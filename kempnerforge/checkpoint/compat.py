@@ -17,6 +17,14 @@ def with_legacy_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**LEGACY_MODEL_FIELDS, **config}
 
 
+def _resolved_head_dim(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``head_dim`` None replaced by dim / n_heads: configs saved while the field was stored
+    resolved hold the number, later ones None for the same model."""
+    if config.get("head_dim") is None and config.get("dim") and config.get("n_heads"):
+        return {**config, "head_dim": config["dim"] // config["n_heads"]}
+    return config
+
+
 def model_config_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> list[str]:
     """The model settings that differ between a checkpoint's ``hyper_parameters`` and this run's.
 
@@ -29,6 +37,7 @@ def model_config_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any
         (a group present on one side only counts as one entry); empty when nothing differs or nothing was saved.
         A config saved before a :data:`LEGACY_MODEL_FIELDS` field existed counts as holding its old value
         (unfused projections), and a differing layout field names the flag that resumes the checkpoint.
+        ``head_dim`` is compared resolved (None = dim / n_heads).
     """
     if not saved:
         return []
@@ -36,8 +45,8 @@ def model_config_diff(saved: Mapping[str, Any] | None, current: Mapping[str, Any
     for group in MODEL_GROUPS:
         a, b = saved.get(group), current.get(group)
         if isinstance(a, Mapping) and isinstance(b, Mapping):
-            a = with_legacy_fields(a) if group == "config" else a
-            b = with_legacy_fields(b) if group == "config" else b
+            a = _resolved_head_dim(with_legacy_fields(a)) if group == "config" else a
+            b = _resolved_head_dim(with_legacy_fields(b)) if group == "config" else b
             out += [f"model.{group}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" + _hint(group, k, a.get(k))
                     for k in sorted({*a, *b}) if a.get(k) != b.get(k)]  # fmt: skip
         elif (a is None) != (b is None):

@@ -110,7 +110,7 @@ def decoder_hf_kwargs(cfg: ModelConfig) -> dict:
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads_resolved,
-        "head_dim": cfg.head_dim,
+        "head_dim": cfg.head_dim_resolved,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "initializer_range": cfg.init_std,
@@ -123,7 +123,7 @@ def decoder_hf_kwargs(cfg: ModelConfig) -> dict:
 def without_derived_head_dim(kwargs: dict, cfg: ModelConfig) -> dict:
     """``kwargs`` without ``head_dim`` when it is dim / n_heads: for configs with no ``head_dim`` field (Qwen2,
     Qwen2-MoE), whose attention still reads the attribute when present (``getattr(config, "head_dim", ...)``)."""
-    if cfg.head_dim * cfg.n_heads == cfg.dim:
+    if cfg.head_dim_resolved * cfg.n_heads == cfg.dim:
         return {k: v for k, v in kwargs.items() if k != "head_dim"}
     return kwargs
 

@@ -76,7 +76,7 @@ def validate_attention(cfg: AttentionFields) -> None:
 
 
 def validate_mla_extras(cfg: AttentionFields) -> None:
-    """With ``attention='mla'``, refuse the GQA-only fields that would be ignored (after ``head_dim`` is resolved).
+    """With ``attention='mla'``, refuse the GQA-only fields that would be ignored.
 
     Raises:
         ValueError: naming the field: ``head_dim`` other than None / ``dim // n_heads`` (MLA's head widths are
@@ -85,7 +85,7 @@ def validate_mla_extras(cfg: AttentionFields) -> None:
     """
     if cfg.attention != "mla":
         return
-    if cfg.head_dim != cfg.dim // cfg.n_heads:
+    if cfg.head_dim is not None and cfg.head_dim != cfg.dim // cfg.n_heads:
         raise ValueError(
             f"ModelConfig.head_dim={cfg.head_dim} is not used with attention='mla' (its head widths are "
             "qk_nope_head_dim, qk_rope_head_dim and v_head_dim); leave it None"

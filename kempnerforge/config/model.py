@@ -63,7 +63,7 @@ class ModelConfig:
     """RoPE context extension ('llama3' of Llama 3.1-3.3, or 'yarn'); None = plain RoPE. A dict of
     :class:`~kempnerforge.config.rope.RopeScaling` fields is accepted (checkpoint metadata, YAML)."""
     head_dim: int | None = None
-    """Channels per attention head (even); None = dim / n_heads, resolved on construction. Qwen 3 sets it
+    """Channels per attention head (even); None = dim / n_heads (:attr:`head_dim_resolved`). Qwen 3 sets it
     so that n_heads * head_dim != dim (wq: dim -> n_heads * head_dim, wo back to dim)."""
     attention_bias: bool = False
     """Bias on the q/k/v projections, not on the output projection (Qwen 2 / 2.5); zeros at init."""
@@ -156,7 +156,6 @@ class ModelConfig:
                     f"ModelConfig head_dim = dim / n_heads = {self.dim} / {self.n_heads} = {self.dim // self.n_heads} "
                     "must be even (RoPE rotates pairs of channels)"
                 )
-            self.head_dim = self.dim // self.n_heads  # MLA: unused (its head widths are its own fields)
         elif self.attention == "gqa" and self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs of channels)")
         for name in ("attention_bias", "fuse_qkv", "fuse_w13"):
@@ -185,12 +184,21 @@ class ModelConfig:
     @property
     def rope_head_dim(self) -> int:
         """Channels per head that RoPE rotates (the RoPE tables' width): head_dim, or qk_rope_head_dim for MLA."""
-        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim_resolved
 
     @property
     def n_kv_heads_resolved(self) -> int:
         """Number of key/value heads, with None meaning n_heads (multi-head attention)."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim_resolved(self) -> int:
+        """Channels per attention head: ``head_dim``, with None meaning dim / n_heads.
+
+        ``head_dim`` itself stays None when not given (as ``n_kv_heads`` does): a resolved value stored in the
+        field would travel with the instance (the CLI's default ``ModelConfig()`` gave every recipe its
+        dim 256 / 8 heads = 32, and ``dataclasses.replace(cfg, dim=...)`` kept the old width)."""
+        return self.dim // self.n_heads if self.head_dim is None else self.head_dim
 
     @property
     def ffn_hidden(self) -> int:
@@ -238,7 +246,7 @@ class ModelConfig:
         return self._count_params(exclude_embedding, active=True)
 
     def _count_params(self, exclude_embedding: bool, active: bool) -> int:
-        dim, hd = self.dim, self.head_dim
+        dim, hd = self.dim, self.head_dim_resolved
         attn = 2 * dim * self.n_heads * hd + 2 * dim * self.n_kv_heads_resolved * hd
         if self.attention_bias:
             attn += (self.n_heads + 2 * self.n_kv_heads_resolved) * hd
@@ -280,4 +288,4 @@ class ModelConfig:
         if self.attention == "mla":  # QK^T over qk_nope + qk_rope channels, AV over v_head_dim, per head
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             return 6 * n_matmul + 6 * self.n_layers * self.n_heads * (qk + self.v_head_dim) * seq_len
-        return transformer_flops_per_token(n_matmul, self.n_layers, self.n_heads * self.head_dim, seq_len)
+        return transformer_flops_per_token(n_matmul, self.n_layers, self.n_heads * self.head_dim_resolved, seq_len)

@@ -48,7 +48,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, fused: bool | None = None) -> None:
         super().__init__()
-        hd, n_q, n_kv = config.head_dim, config.n_heads, config.n_kv_heads_resolved
+        hd, n_q, n_kv = config.head_dim_resolved, config.n_heads, config.n_kv_heads_resolved
         self.head_dim = hd
         self.heads_per_kv = n_q // n_kv
         self.fused = config.fuse_qkv if fused is None else fused

@@ -60,7 +60,7 @@ def w13_rows(hidden: int) -> list[int]:
 
 def config_qkv_rows(cfg: ModelConfig) -> list[int]:
     """:func:`qkv_rows` of ``cfg``'s attention."""
-    return qkv_rows(cfg.n_heads, cfg.n_kv_heads_resolved, cfg.head_dim)
+    return qkv_rows(cfg.n_heads, cfg.n_kv_heads_resolved, cfg.head_dim_resolved)
 
 
 def fuse_rows(parts: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
@@ -94,8 +94,8 @@ def layout_rows(kind: str, cfg: ModelConfig, n_rows: int) -> list[int]:
 def part_sizes(kind: str, cfg: ModelConfig, n_rows: int) -> list[int]:
     """Dim-0 sizes of the separate tensors of layout ``kind``: ``[n_heads, n_kv, n_kv] * head_dim`` or ``[h, h]``."""
     if kind == "qkv":
-        nkv = cfg.n_kv_heads_resolved * cfg.head_dim
-        return [cfg.n_heads * cfg.head_dim, nkv, nkv]
+        nkv = cfg.n_kv_heads_resolved * cfg.head_dim_resolved
+        return [cfg.n_heads * cfg.head_dim_resolved, nkv, nkv]
     return [n_rows // 2, n_rows // 2]
 
 

@@ -264,7 +264,7 @@ def test_key_mask_hides_padded_keys_and_equals_causal_when_all_real():
     torch.manual_seed(0)
     cfg = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16)
     attn = Attention(cfg)
-    cos, sin = rope_tables(cfg.head_dim, 8, cfg.rope_theta)
+    cos, sin = rope_tables(cfg.head_dim_resolved, 8, cfg.rope_theta)
     x = torch.randn(2, 8, 32)
     mask = torch.ones(2, 8, dtype=torch.bool)
     torch.testing.assert_close(attn(x, cos, sin, mask), attn(x, cos, sin), rtol=1e-6, atol=1e-6)

@@ -58,7 +58,7 @@ def test_head_dim_must_be_even():
 def test_defaults_are_valid_and_round_trip():
     cfg = ModelConfig()
     assert cfg.n_kv_heads is None and cfg.n_kv_heads_resolved == cfg.n_heads == 8
-    assert cfg.head_dim == 32
+    assert cfg.head_dim is None and cfg.head_dim_resolved == 32
     # None stays None: dataclasses.asdict / replace reproduce the same config.
     assert ModelConfig(**dataclasses.asdict(cfg)) == cfg
 
@@ -81,9 +81,13 @@ def test_model_config_has_every_field_moe_validation_reads():
 def test_explicit_head_dim_and_attention_bias():
     """head_dim None resolves to dim / n_heads; an explicit one frees dim from n_heads (Qwen 3); each refusal names
     its field."""
-    assert ModelConfig(dim=64, n_heads=4).head_dim == 16
+    assert ModelConfig(dim=64, n_heads=4).head_dim_resolved == 16
     cfg = ModelConfig(dim=48, n_heads=4, head_dim=32, attention_bias=True)  # 48 % 4 == 0 but 4 * 32 != 48
-    assert cfg.head_dim == 32 and ModelConfig(dim=50, n_heads=4, head_dim=16).head_dim == 16
+    assert cfg.head_dim_resolved == 32 and ModelConfig(dim=50, n_heads=4, head_dim=16).head_dim_resolved == 16
+    # An unset head_dim follows dim and n_heads through dataclasses.replace (the CLI builds configs over the
+    # default instance's values: a stored resolved width once gave every recipe the default's 256 / 8 = 32).
+    wide = dataclasses.replace(ModelConfig(), dim=4096, n_heads=32)
+    assert wide.head_dim is None and wide.head_dim_resolved == 128
     for kw, match in [({"head_dim": 15}, r"ModelConfig\.head_dim=15 must be even"),
                       ({"head_dim": 0}, r"ModelConfig\.head_dim=0 must be a positive even integer or None"),
                       ({"dim": 50}, r"ModelConfig\.dim=50 must be divisible by n_heads=4"),

@@ -31,7 +31,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_path, 
     small = ModelConfig(dim=32, **shape, **unfused)
     _fit(CausalLM(small, scheduler=sched), data, tmp_path)
     wide = ModelConfig(dim=64, **shape, **unfused)
-    # head_dim follows dim (None = dim / n_heads, resolved on construction), so both are named.
+    # head_dim follows dim (None = dim / n_heads, compared resolved), so both are named.
     with pytest.raises(CheckpointError, match=r"was written by another model \(model.config.dim: saved 32, now 64; "
                        r"model.config.head_dim: saved 8, now 16\).*--ckpt_path null"):  # fmt: skip
         _fit(CausalLM(wide, scheduler=sched), data, tmp_path / "again", ckpt_path=str(tmp_path / "s1.ckpt"))

@@ -47,7 +47,7 @@ class CrossAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, n_kv_heads: int) -> None:
         super().__init__()
-        hd = config.head_dim
+        hd = config.head_dim_resolved
         self.head_dim = hd
         self.wq = nn.Linear(config.dim, config.n_heads * hd, bias=False)
         self.wk = nn.Linear(config.dim, n_kv_heads * hd, bias=False)

@@ -57,7 +57,7 @@ class MoTAttention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hd, n_q, n_kv = config.head_dim, config.n_heads, config.n_kv_heads_resolved
+        hd, n_q, n_kv = config.head_dim_resolved, config.n_heads, config.n_kv_heads_resolved
         self.head_dim = hd
         bias = config.attention_bias  # as the dense Attention: q/k/v only
         self.wq = _per_modality(lambda: nn.Linear(config.dim, n_q * hd, bias=bias))
