@@ -361,7 +361,8 @@ def summarize(meter: Meter, tokens_per_step: int, max_other_load: float) -> dict
         "step_ms_all": [1e3 * s["wall"] for s in steps],
         "other_load_per_step": [s["other_load"] for s in steps],
         "threads_seen": sorted(meter.threads),
-        "losses": [float(x) for x in meter.losses],
+        # The measured iterations only: a start-to-start meter (kforge) records one closing iteration more.
+        "losses": [float(x) for x in meter.losses[: meter.warmup + meter.steps]],
     }
 
 
