@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from kempnerforge.checkpoint.retention import protect
@@ -33,32 +34,48 @@ class NaNGuard(Callback):
 
     Actions:
         ``raise``: :class:`NonFiniteError` naming the step (``trainer.global_step``, 0-based) on every rank.
-        ``skip``: no optimizer step on any rank (AdamW moments and step count untouched); counted in
-            ``skipped_steps``. The LR scheduler and ``global_step`` still advance (Lightning's loop).
+        ``skip`` (the default): no optimizer step on any rank (AdamW moments and step count untouched); counted
+            in ``skipped_steps``. The LR scheduler and ``global_step`` still advance (Lightning's loop). After
+            ``max_consecutive`` non-finite steps in a row the run is diverged: :class:`NonFiniteError` naming the
+            step and the last checkpoint written before the streak (``kforge fit`` exits with
+            :data:`~kempnerforge.exit_status.DIVERGED`, 3).
         ``rollback``: reload model, optimizer and scheduler from the newest complete checkpoint in the
             checkpoint folder and continue; the data is not rewound (the batches since that checkpoint,
             the offending one included, are not replayed). After ``max_rollbacks`` rollbacks it raises.
 
     On any flagged step rank 0 protects the newest complete checkpoint from retention
-    (:func:`kempnerforge.checkpoint.retention.protect`): the last healthy one before the NaN is kept.
+    (:func:`kempnerforge.checkpoint.retention.protect`): the last healthy one before the NaN is kept. While the
+    newest step was flagged, ``ModelCheckpoint`` does not save (the weights may already hold what made it
+    non-finite), so neither a periodic checkpoint nor auto-resume ever picks weights from inside a streak.
+    ``kforge fit`` adds ``NaNGuard()`` to every run that has none (every recipe names it).
 
     Args:
         action: ``"raise"``, ``"skip"`` or ``"rollback"``.
         check_grads: also check every gradient (catches NaNs in accumulation micro-batches too).
         max_rollbacks: rollbacks allowed before giving up (``rollback`` only, >= 0).
+        max_consecutive: non-finite steps in a row after which ``skip`` gives up (>= 1).
         dirpath: checkpoint folder (None: the ``ModelCheckpoint``'s).
 
     Raises:
-        ValueError: an unknown action or a negative ``max_rollbacks``.
+        ValueError: an unknown action, a negative ``max_rollbacks`` or ``max_consecutive`` < 1.
     """
 
     def __init__(
-        self, action: str = "skip", check_grads: bool = False, max_rollbacks: int = 3, dirpath: str | None = None
+        self,
+        action: str = "skip",
+        check_grads: bool = False,
+        max_rollbacks: int = 3,
+        dirpath: str | None = None,
+        max_consecutive: int = 3,
     ) -> None:
         if action not in ACTIONS:
             raise ValueError(f"NaNGuard action={action!r} is not allowed; use one of {list(ACTIONS)}.")
         if not isinstance(max_rollbacks, int) or max_rollbacks < 0:
             raise ValueError(f"NaNGuard max_rollbacks={max_rollbacks!r} must be an integer >= 0.")
+        if not isinstance(max_consecutive, int) or max_consecutive < 1:
+            raise ValueError(f"NaNGuard max_consecutive={max_consecutive!r} must be an integer >= 1.")
+        self.max_consecutive = max_consecutive
+        self.streak = 0  # non-finite optimizer steps in a row, up to the newest
         self.action = action
         self.check_grads = check_grads
         self.max_rollbacks = max_rollbacks
@@ -86,8 +103,10 @@ class NaNGuard(Callback):
             for rider, value in zip(self._riders, agreed[1:], strict=True):
                 rider.receive_agreed_flag(value)
             if agreed[0]:
+                self.streak += 1
                 self._on_nonfinite(trainer)
                 return loss
+            self.streak = 0
             step(**kwargs)
             return loss
 
@@ -103,6 +122,12 @@ class NaNGuard(Callback):
         if self.action == "raise":
             raise NonFiniteError(f"NaNGuard: non-finite loss or gradient at step {step} (trainer.global_step).")
         self.skipped_steps.append(step)
+        if self.action == "skip" and self.streak >= self.max_consecutive:
+            last = f"the last checkpoint before it is {good}" if good is not None else "no checkpoint was written"
+            raise NonFiniteError(
+                f"training diverged: {self.streak} non-finite steps in a row, the first at step "
+                f"{step - self.streak + 1} (trainer.global_step); {last}. Lower model.optimizer.lr or check the data."
+            )
         if self.action == "skip":
             log.warning("NaNGuard: non-finite loss or gradient at step %d; optimizer step skipped on all ranks.", step)
             return
@@ -117,6 +142,15 @@ class NaNGuard(Callback):
             "NaNGuard: non-finite step %d; rolling back to %s (%d/%d).", step, good, self.rollbacks, self.max_rollbacks
         )
         restore_in_place(trainer, Path(good))
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        """While the newest optimizer step was non-finite, mark it as saved for ``ModelCheckpoint`` (which runs after
+        every other callback), so no periodic checkpoint holds weights from inside a streak."""
+        ckpt = trainer.checkpoint_callback
+        if self.streak > 0 and isinstance(ckpt, ModelCheckpoint):
+            # The same private duplicate-step guard Preemption uses (no public API skips one save in Lightning 2.6).
+            ckpt._last_global_step_saved = trainer.global_step
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +14,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from kempnerforge.exit_status import REQUEUED, STOPPED_EARLY
 from kempnerforge.resilience.auto_resume import checkpoint_dir
 from kempnerforge.resilience.requeue import requeue_slurm_job
 from kempnerforge.resilience.signals import SignalFlag, agree_max
@@ -35,22 +38,30 @@ class Preemption(Callback):
     comes ``max(1, floor(check_every_s / step_time))`` steps later, the same step on every rank. A
     signal therefore starts the save within ``check_every_s`` plus one step.
     Every rank then joins one ``trainer.save_checkpoint`` into the checkpoint
-    folder, rank 0 runs ``scontrol requeue`` when ``requeue`` is set, and ``trainer.should_stop``
-    ends ``fit`` normally (exit status 0). A :class:`~kempnerforge.resilience.watchdog.Watchdog`
-    ends the process if this shutdown stalls. The next ``kforge fit`` with the same config resumes
-    from this checkpoint by itself (``--ckpt_path auto``, the default).
+    folder (unless ``save`` is False), rank 0 runs ``scontrol requeue`` when ``requeue`` is set, prints one
+    line (the step, the checkpoint, how to resume), and ``trainer.should_stop`` ends ``fit``; ``kforge fit``
+    then exits with :data:`~kempnerforge.exit_status.STOPPED_EARLY` (75), or
+    :data:`~kempnerforge.exit_status.REQUEUED` (76) when the requeue succeeded (:attr:`stop_status`). After a
+    SIGTERM ``trainer.received_sigterm`` is True once ``fit`` returns. A
+    :class:`~kempnerforge.resilience.watchdog.Watchdog` ends the process if this shutdown stalls. The next
+    ``kforge fit`` with the same config resumes from this checkpoint by itself (``--ckpt_path auto``, the
+    default).
 
-    Works with any Lightning strategy; with ``KempnerStrategy`` the save is a DCP directory and
-    ``latest`` moves only once every rank has finished writing.
+    ``KempnerStrategy`` adds one of these to every run that has none (``save`` only when a checkpoint callback
+    is configured), so a signal never reaches Lightning's own handlers there. Works with any Lightning
+    strategy; with ``KempnerStrategy`` the save is a DCP directory and ``latest`` moves only once every rank has
+    finished writing.
 
     Args:
-        signals: signal names or numbers to catch (default SIGTERM and SIGUSR1).
+        signals: signal names or numbers to catch (default SIGTERM, SIGUSR1 and SIGINT; a second SIGINT raises
+            ``KeyboardInterrupt`` at once).
         requeue: on rank 0, run ``scontrol requeue $SLURM_JOB_ID`` after the save.
         dirpath: checkpoint folder (None: the ``ModelCheckpoint``'s, else ``<default_root_dir>/checkpoints``).
         watchdog_s: seconds the save + shutdown may take before the process exits hard (status 1).
         check_every_s: seconds of training between two agreements on the flag when no NaNGuard carries
             it (0: every optimizer step). Keep it plus the save well inside the scheduler's grace time
             (the sbatch templates ask SLURM for SIGTERM 120 s before the end).
+        save: write a checkpoint before stopping (False: stop without one; the line says nothing was saved).
 
     Raises:
         ValueError: an unknown signal name, ``watchdog_s`` <= 0 or ``check_every_s`` < 0.
@@ -58,11 +69,12 @@ class Preemption(Callback):
 
     def __init__(
         self,
-        signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1"),
+        signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1", "SIGINT"),
         requeue: bool = False,
         dirpath: str | None = None,
         watchdog_s: float = 600.0,
         check_every_s: float = 10.0,
+        save: bool = True,
     ) -> None:
         self.flag = SignalFlag(signals, chain=True)
         if not watchdog_s > 0:
@@ -73,7 +85,9 @@ class Preemption(Callback):
         self.requeue = requeue
         self.dirpath = dirpath
         self.watchdog_s = watchdog_s
+        self.save = save
         self.saved_path: Path | None = None
+        self.stop_status: int | None = None  # exit_status.STOPPED_EARLY / REQUEUED once the run stopped on a signal
         self._watchdog: Watchdog | None = None
         self._seen_step = -1
         self._carried: bool | None = None  # the flag agreed by a carrier's reduction at this step
@@ -131,18 +145,33 @@ class Preemption(Callback):
             return
         self._watchdog = Watchdog(self.watchdog_s)
         self._watchdog.start()
-        path = self._checkpoint_path(trainer)
-        log.warning("Preemption: signal received; saving %s at step %d and stopping.", path, trainer.global_step)
-        trainer.save_checkpoint(path)
-        self.saved_path = path
-        if isinstance(trainer.checkpoint_callback, ModelCheckpoint):
-            # ModelCheckpoint runs after this callback: without this it saves the same step again
-            # under a "-v1" name (its own duplicate-step guard, a private attribute in Lightning 2.6: no public
-            # API marks a step as saved; test_preemption_save_is_not_repeated_by_model_checkpoint catches a rename).
-            trainer.checkpoint_callback._last_global_step_saved = trainer.global_step
-        if self.requeue and trainer.is_global_zero:
-            requeue_slurm_job()
+        started = time.monotonic()
+        if self.save:
+            path = self._checkpoint_path(trainer)
+            trainer.save_checkpoint(path)
+            self.saved_path = path
+            if isinstance(trainer.checkpoint_callback, ModelCheckpoint):
+                # ModelCheckpoint runs after this callback: without this it saves the same step again
+                # under a "-v1" name (its own duplicate-step guard, a private attribute in Lightning 2.6: no public
+                # API marks a step as saved; test_preemption_save_is_not_repeated_by_model_checkpoint catches a
+                # rename).
+                trainer.checkpoint_callback._last_global_step_saved = trainer.global_step
+        requeued = self.requeue and trainer.is_global_zero and requeue_slurm_job()
+        self.stop_status = REQUEUED if requeued else STOPPED_EARLY
+        if trainer.is_global_zero:
+            print(self._stop_line(trainer, time.monotonic() - started, requeued), file=sys.stderr, flush=True)
         trainer.should_stop = True
+
+    def _stop_line(self, trainer: Trainer, seconds: float, requeued: bool) -> str:
+        """The one line a person reads after a signal: where it stopped, what was saved, how to go on."""
+        name = signal.Signals(self.flag.received).name if self.flag.received is not None else "a signal"
+        saved = (
+            f"checkpoint {self.saved_path} written in {seconds:.1f} s"
+            if self.saved_path is not None
+            else "no checkpoint callback configured, nothing saved"
+        )
+        then = "SLURM requeued the job" if requeued else "run the same command again to resume"
+        return f"kforge: stopped early at step {trainer.global_step} on {name}: {saved}; {then}."
 
     def _checkpoint_path(self, trainer: Trainer) -> Path:
         folder = checkpoint_dir(trainer, self.dirpath) or Path(trainer.default_root_dir) / "checkpoints"
@@ -157,6 +186,10 @@ class Preemption(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Restore the handlers from before ``fit`` and disarm the watchdog (the shutdown finished). Runs after
         Lightning's own restore, so what stays installed is what was there before ``fit``."""
+        if self.flag.received == signal.SIGTERM and self.stop_status is not None:
+            # Lightning's own flag (trainer.received_sigterm), set only now: during the loop it would make Lightning
+            # raise SIGTERMException (a traceback and exit 1) instead of the orderly stop above.
+            trainer._signal_connector.received_sigterm = True
         self.flag.restore()
         if self._watchdog is not None:
             self._watchdog.cancel()

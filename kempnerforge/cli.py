@@ -27,11 +27,13 @@ from kempnerforge.commands import run_without_lightning
 from kempnerforge.console import add_default_callbacks, filter_harmless_warnings, filter_resume_warning
 from kempnerforge.data.datamodule import TokenDataModule
 from kempnerforge.errors import PathError, UserError
+from kempnerforge.exit_status import DIVERGED, SUCCESS
 from kempnerforge.module import CausalLM
 from kempnerforge.parallel.grad_clip import check_lightning_clipping
 from kempnerforge.parallel.precision import trainer_precision_to_param
 from kempnerforge.preflight import preflight
 from kempnerforge.resilience.auto_resume import AUTO, AutoResume, checkpoint_dir, find_resume_checkpoint
+from kempnerforge.resilience.nonfinite import NonFiniteError
 from kempnerforge.strategies import KempnerStrategy
 
 #: True once the pre-run checks passed and the Trainer runs: a plain ValueError from then on keeps its traceback.
@@ -421,7 +423,9 @@ def main(argv: list[str] | None = None) -> None:
     comes here for them); tools are dispatched through :data:`~kempnerforge.commands.TOOLS`.
 
     A user error (:func:`~kempnerforge.cli_errors.is_user_error`) ends the process with one line on stderr,
-    ``kforge: error: <field>: <message>``, and exit status 2; any other exception keeps its traceback.
+    ``kforge: error: <field>: <message>``, and exit status 2; a diverged run (NaNGuard) one line and status 3; a
+    run stopped by a signal status 75 (76: requeued), see :mod:`kempnerforge.exit_status`; any other exception
+    keeps its traceback (status 1).
 
     Args:
         argv: arguments without the program name (None: ``sys.argv[1:]``).
@@ -437,7 +441,11 @@ def main(argv: list[str] | None = None) -> None:
     token, held = _RUNNING.set(False), HeldLogs().hold()
     held_token = _HELD.set(held)
     try:
-        _run_cli(args, argv)
+        cli = _run_cli(args, argv)
+    except NonFiniteError as err:  # NaNGuard: the run diverged; one line, the status a script can tell apart
+        held.drop()
+        print(f"kforge: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(DIVERGED) from None
     except Exception as err:
         if is_user_error(err, during_setup=not _RUNNING.get()):
             held.drop()
@@ -447,6 +455,18 @@ def main(argv: list[str] | None = None) -> None:
         held.show()  # whatever is still held (an error that keeps its traceback, a --help exit)
         _RUNNING.reset(token)
         _HELD.reset(held_token)
+    status = run_exit_status(cli.trainer)
+    if status != SUCCESS:
+        raise SystemExit(status)
+
+
+def run_exit_status(trainer: Any) -> int:
+    """The exit status of a finished ``kforge fit`` / ``validate`` (:mod:`kempnerforge.exit_status`): ``STOPPED_EARLY``
+    or ``REQUEUED`` when a signal stopped it (:class:`~kempnerforge.callbacks.Preemption`), else ``SUCCESS``."""
+    for cb in getattr(trainer, "callbacks", []):
+        if isinstance(cb, Preemption) and cb.stop_status is not None:
+            return cb.stop_status
+    return SUCCESS
 
 
 def make_cli(args: list[str], from_argv: bool = False, run: bool = True) -> KForgeCLI:
@@ -470,10 +490,10 @@ def make_cli(args: list[str], from_argv: bool = False, run: bool = True) -> KFor
     )
 
 
-def _run_cli(args: list[str], argv: list[str] | None) -> None:
+def _run_cli(args: list[str], argv: list[str] | None) -> KForgeCLI:
     try:
         # None: Lightning reads sys.argv itself (no "args and argv" warning)
-        make_cli(args, from_argv=argv is None or args == sys.argv[1:])
+        return make_cli(args, from_argv=argv is None or args == sys.argv[1:])
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             _HELD.get().drop()  # a parse error: its one line is printed; the held lines would only follow it

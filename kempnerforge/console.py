@@ -164,21 +164,26 @@ def filter_resume_warning() -> None:
 
 
 def add_default_callbacks(trainer_config: Any) -> None:
-    """Append kempnerforge's :class:`~kempnerforge.callbacks.ProgressBar` and
-    :class:`~kempnerforge.callbacks.ModelSummary` to ``trainer_config["callbacks"]`` (instantiated
-    callbacks), each unless the configuration has one of its kind or disables it (``enable_progress_bar`` /
-    ``enable_model_summary: false``). Lightning's own bars read their metrics from the device at every
+    """Append kempnerforge's :class:`~kempnerforge.callbacks.ProgressBar`,
+    :class:`~kempnerforge.callbacks.ModelSummary` and :class:`~kempnerforge.callbacks.NaNGuard` to
+    ``trainer_config["callbacks"]`` (instantiated callbacks), each unless the configuration has one of its kind
+    or disables it (``enable_progress_bar`` / ``enable_model_summary: false``; a NaNGuard of your own replaces the
+    default one, e.g. ``action: raise``). Lightning's own bars read their metrics from the device at every
     refresh (a host sync per step) and draw bars into batch logs; its summary prints a FLOPs column of 0."""
     from lightning.pytorch.callbacks import ModelSummary as ModelSummaryBase
     from lightning.pytorch.callbacks.progress import ProgressBar as ProgressBarBase
 
-    from kempnerforge.callbacks import ModelSummary, ProgressBar
+    from kempnerforge.callbacks import ModelSummary, NaNGuard, ProgressBar
 
     if trainer_config is None:
         return
     callbacks = trainer_config.get("callbacks")
     callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, list) else [callbacks]
     added = False
+    if not any(isinstance(cb, NaNGuard) for cb in callbacks):
+        # A diverged run stops (exit 3) instead of training on NaN to the end and writing NaN checkpoints.
+        callbacks.append(NaNGuard())
+        added = True
     for base, default, switch in (
         (ProgressBarBase, ProgressBar, "enable_progress_bar"),
         (ModelSummaryBase, ModelSummary, "enable_model_summary"),

@@ -71,6 +71,7 @@ from kempnerforge.resilience.auto_resume import AutoResume
 from kempnerforge.resilience.first_failure import note_first_failure
 from kempnerforge.resilience.rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, expected_world, rendezvous
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory
+from kempnerforge.strategies.stop_on_signal import take_over_signals
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self.compile_backend = compile_backend
         self.cpu_keep_freed_memory = cpu_keep_freed_memory
         self.parallel_mesh: ParallelMesh | None = None
+        self._layout_pending = False  # setup_environment ran without a module: setup validates the mesh against it
         self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint, timeout=timeout)
         self._failure: BaseException | None = None
         validate_pipeline_options(pp, pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points)
@@ -278,29 +280,51 @@ class KempnerStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Refuse Lightning's own clipping, initialize the process group, validate the degrees, set the fp32
-        matmul precision (CUDA), build the world mesh and log it with the precision policy."""
-        trainer = self.lightning_module.trainer
-        check_lightning_clipping(trainer.gradient_clip_val)  # before any rendezvous
+        """Refuse Lightning's own clipping, take over the signal handling (:mod:`.stop_on_signal`), initialize the
+        process group, set the fp32 matmul precision (CUDA), then build the world mesh and validate it against the
+        module (:meth:`attach_layout`). Without a module attached yet (Lightning's own ModelParallelStrategy tests
+        set strategies up that way) the module's half waits for :meth:`setup`."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None:
+            check_lightning_clipping(trainer.gradient_clip_val)  # before any rendezvous
+            take_over_signals(trainer)  # before fit registers Lightning's handlers
         # The parent's setup_environment would build its own 2-D mesh; its process-group half is this private method.
         self._setup_distributed()
         apply_matmul_precision(self.float32_matmul_precision, self.root_device.type)
         if self.cpu_keep_freed_memory and self.root_device.type == "cpu":
             keep_freed_memory()
-        datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
-        dims = self.check_layout(self.world_size, self.lightning_module, datamodule)
-        self.parallel_mesh = dims.build_mesh(self.root_device.type)
+        if module is not None:
+            self.attach_layout(module, getattr(trainer, "datamodule", None))
+        else:  # the mesh from the degrees alone; setup validates it against the module when it is attached
+            self.parallel_mesh = ParallelDims(**self._degrees, world_size=self.world_size).build_mesh(
+                self.root_device.type
+            )
+            self._device_mesh = self.parallel_mesh.world
+            self._layout_pending = True
+
+    def attach_layout(self, module: Any, datamodule: Any) -> None:
+        """Validate the degrees against the world, the module and the data (:meth:`check_layout`), build the world
+        mesh (and the pipeline runner for ``pp > 1``) and log it with the precision policy.
+
+        Raises:
+            MeshConfigError / ValueError / ModelContractError: as :meth:`check_layout`.
+        """
+        dims = self.check_layout(self.world_size, module, datamodule)
+        if self.parallel_mesh is None or self.parallel_mesh.dims != dims:
+            self.parallel_mesh = dims.build_mesh(self.root_device.type)
+        self._layout_pending = False
         if dims.pp > 1:
             if dims.tp > 1 and self.loss_parallel:
                 # The pipeline's shape inference cannot run the vocab-parallel loss backward: gather the logits.
                 rank_zero_info("pp > 1 with tp > 1: loss_parallel is off (the last stage all-gathers the logits).")
                 self.loss_parallel = False
-            n_layers = self.lightning_module.config.n_layers
+            n_layers = module.config.n_layers
             self.pipeline = PipelineRunner(self.parallel_mesh.pp, n_layers, **self.pp_options)
-            if self.lightning_module.config.tie_embeddings:  # every rank joins the first/last-stage groups
+            if module.config.tie_embeddings:  # every rank joins the first/last-stage groups
                 self.pipeline.tied_group = tied_embedding_group(self.parallel_mesh.world)
         self._device_mesh = self.parallel_mesh.world
-        self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy does (no public setter)
+        module._device_mesh = self._device_mesh  # as ModelParallelStrategy does (no public setter)
         rank_zero_info(f"{self.parallel_mesh.describe()}; {self.describe_precision()}")
         log.debug(self.parallel_mesh.describe())
 
@@ -365,6 +389,9 @@ class KempnerStrategy(ModelParallelStrategy):
         """Apply the chain (once), materialize meta tensors, run ``init_weights``, then Lightning's setup."""
         module = self.lightning_module
         model: nn.Module = module.model
+        if self._layout_pending:  # setup_environment ran before the module was attached
+            self.attach_layout(module, getattr(trainer, "datamodule", None))
+            take_over_signals(trainer)
         assert self.parallel_mesh is not None
         check_model_contract(model, tp=self.parallel_mesh.dims.tp)
         if not is_fsdp_applied(model):

@@ -52,6 +52,9 @@ class SignalFlag:
     """Installs handlers for ``signals`` that remember the first signal received, then run the handlers that
     were installed before (a user's SIGTERM handler keeps working), minus Lightning's own.
 
+    SIGINT (Ctrl-C) is a signal like the others: the first one sets the flag (Python's default handler, which
+    would raise ``KeyboardInterrupt`` mid-step, is not chained); a second one raises ``KeyboardInterrupt`` at once.
+
     Args:
         signals: signal names or numbers to catch.
         chain: call the earlier handlers after setting the flag (the default). They run inside the signal
@@ -65,15 +68,20 @@ class SignalFlag:
         self.signals = [parse_signal(s) for s in signals]
         self.chain = chain
         self.received: int | None = None
+        self._interrupted = False  # a SIGINT arrived: the next one raises KeyboardInterrupt
         self._previous: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         # The flag only: no I/O, no collectives (they may deadlock against a rank inside a collective).
+        if signum == signal.SIGINT and self._interrupted:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without waiting for the step boundary
+        self._interrupted = self._interrupted or signum == signal.SIGINT
         if self.received is None:
             self.received = signum
         if self.chain:
             for handler in chained_handlers(self._previous.get(signum)):
-                handler(signum, frame)
+                if handler is not signal.default_int_handler:  # it raises KeyboardInterrupt mid-step
+                    handler(signum, frame)
 
     def remember(self) -> None:
         """Record the current handlers as the ones to chain and to :meth:`restore` (a later :meth:`install` keeps

@@ -13,15 +13,22 @@ import signal
 import socket
 
 import pytest
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-from kempnerforge.callbacks import Preemption
+from kempnerforge.callbacks import NaNGuard, Preemption
+from kempnerforge.cli import run_exit_status
 from kempnerforge.data.datamodule import TokenDataModule
+from kempnerforge.exit_status import STOPPED_EARLY
 from kempnerforge.module import CausalLM
+from kempnerforge.parallel.mesh import MESH_AXES
 from kempnerforge.resilience.signals import SignalFlag
 from kempnerforge.strategies import KempnerStrategy
+from kempnerforge.strategies.stop_on_signal import _agreed_at_step_boundaries
 from kempnerforge.training.lr import SchedulerConfig
 from tests.ops_helpers import tiny_config
 from tests.slurm_env import slurm_task_env
@@ -37,14 +44,14 @@ class SignalAt(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == 0:
-            self.during = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+            self.during = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         if batch_idx == self.batch:
             os.kill(os.getpid(), self.signum)
 
 
 @pytest.fixture
 def restore_handlers():
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     yield
     for s, h in saved.items():
         signal.signal(s, h)
@@ -113,7 +120,45 @@ def test_a_user_sigterm_handler_still_runs_and_the_run_saves_and_stops(tmp_path,
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000002.ckpt"
     assert (tmp_path / "ckpt" / "step=000002.ckpt" / "COMPLETE").is_file()
     assert signal.getsignal(signal.SIGTERM) is user_handler  # what it was before fit
-    assert not trainer.received_sigterm  # Lightning's SIGTERM path (kill the launcher's children) did not run
+    # Lightning's flag says so after fit (set only then: during the loop it would raise SIGTERMException).
+    assert trainer.received_sigterm and preemption.stop_status == STOPPED_EARLY
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_without_preemption_the_strategy_stops_on_a_signal_with_its_own_flag(
+    tmp_path, shakespeare_tokens, restore_handlers, signum
+):
+    """No Preemption configured (NaNGuard, as kforge adds it): KempnerStrategy adds one, its flag (not Lightning's handler) takes every signal,
+    Lightning's per-step SIGTERM broadcast is replaced, and the run saves through ModelCheckpoint's folder and
+    stops with the "stopped early" status; Ctrl-C too (one SIGINT waits for the step boundary)."""
+    before = signal.getsignal(signal.SIGINT)
+    sender = SignalAt(signum, batch=1)
+    trainer = _fit(tmp_path, shakespeare_tokens, NaNGuard(), sender)  # kforge's default NaNGuard carries the flag
+    added = [cb for cb in trainer.callbacks if isinstance(cb, Preemption)]
+    assert len(added) == 1 and added[0].save
+    for handler in sender.during.values():
+        assert getattr(handler, "__self__", None) is added[0].flag
+    loop = trainer.fit_loop.epoch_loop
+    assert loop._broadcast_sigterm_tensor is _agreed_at_step_boundaries  # Lightning's per-step broadcast is gone
+    assert hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")  # a Lightning rename must fail here
+    assert run_exit_status(trainer) == STOPPED_EARLY
+    assert trainer.global_step == 2 and (tmp_path / "ckpt" / "step=000002.ckpt" / "COMPLETE").is_file()
+    assert trainer.received_sigterm == (signum == signal.SIGTERM)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_setup_environment_without_a_module_as_lightnings_own_tests_do():
+    """Lightning's ModelParallelStrategy tests set the environment up before any module is attached: the mesh is
+    built from the degrees; the module's rules wait for setup."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    strategy = KempnerStrategy(dp_shard=1)
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.accelerator = CPUAccelerator()
+    strategy.setup_environment()
+    assert strategy.parallel_mesh is not None and strategy.device_mesh.mesh_dim_names == MESH_AXES
+    assert strategy.lightning_module is None
 
 
 def test_the_flag_chains_a_handler_installed_before_and_skips_lightnings():
