@@ -16,9 +16,14 @@ MAX_STEPS = 10
 
 
 def write_config(
-    tmp: Path, data_dir: Path, extra_callbacks: list[dict] | None = None, async_save: bool = False
+    tmp: Path,
+    data_dir: Path,
+    extra_callbacks: list[dict] | None = None,
+    async_save: bool = False,
+    preemption: bool = True,
 ) -> Path:
-    """debug.yaml shrunk to a ~3M-parameter model (mostly the embedding), 10 steps, CSV losses every step."""
+    """debug.yaml shrunk to a ~3M-parameter model (mostly the embedding), 10 steps, CSV losses every step.
+    ``preemption=False``: the recipe's own callbacks only (no Preemption: the strategy's default handling)."""
     cfg = yaml.safe_load((REPO / "configs" / "debug.yaml").read_text())
     cfg["trainer"].update(
         devices=2,
@@ -36,9 +41,8 @@ def write_config(
     ckpt.update(dirpath=str(tmp / "ckpt"), every_n_train_steps=4)
     # check_every_s=0: agree on the flag every step, so a signal at a random step of this 10-step run stops
     # it at the next one (the default agrees every ~10 s of training; tests/unit covers that schedule).
-    cfg["trainer"]["callbacks"] += extra_callbacks or [
-        {"class_path": "kempnerforge.callbacks.Preemption", "init_args": {"check_every_s": 0}}
-    ]
+    default = [{"class_path": "kempnerforge.callbacks.Preemption", "init_args": {"check_every_s": 0}}]
+    cfg["trainer"]["callbacks"] += extra_callbacks or (default if preemption else [])
     cfg["model"]["config"].update(dim=64, n_layers=2, max_seq_len=64, multiple_of=32)
     cfg["data"].update(data_dir=str(data_dir), seq_len=32, micro_batch_size=2)
     path = tmp / "cfg.yaml"
