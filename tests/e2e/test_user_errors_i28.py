@@ -143,3 +143,24 @@ def test_prepare_data_counts_records_without_the_field(tmp_path, capsys, gpt2_to
     assert err == ["kforge: warning: --text_field: 2 records have no 'text' and were skipped"], err
     meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
     assert meta["num_documents"] == 2 and meta["num_records_without_text_field"] == 2
+
+
+GENERATE = {  # arguments after --ckpt, the field
+    "empty_prompt": (["--prompt", "  "], "--prompt"),
+    "tokenizer_missing": (["--prompt", "a", "--tokenizer", "/nonexistent/tok"], "--tokenizer"),
+    "tokenizer_file": (["--prompt", "a", "--tokenizer", "README.md"], "--tokenizer"),
+    "device_cuda": (["--prompt", "a", "--device", "cuda"], "--device"),
+}
+
+
+@pytest.mark.parametrize("name", list(GENERATE))
+def test_generate_bad_arguments_are_one_line(name, tmp_path, capsys):
+    import torch
+
+    from kempnerforge.tools.generate import generate_main
+
+    extra, field = GENERATE[name]
+    if name == "device_cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA build: --device cuda is valid")
+    code, err = _run(generate_main, ["--ckpt", str(tmp_path / "none"), *extra], capsys)
+    _one_line(code, err, field)
