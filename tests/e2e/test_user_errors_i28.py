@@ -39,8 +39,11 @@ FIT = {  # extra arguments, the field the line names, a substring of what it say
     "accumulate": (["--trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", ">= 1"),
     "ckpt_file": (["--ckpt_path", "README.md"], "ckpt_path", "is a file that is not a checkpoint"),
     "empty_config": (["--config", "{empty_yaml}"], "--config", "empty"),
-    "dp_shards": (["--trainer.strategy.init_args.dp_shards=2"], "trainer.strategy.init_args.dp_shards",
-                  "did you mean dp_shard?"),  # fmt: skip
+    "dp_shards": (
+        ["--trainer.strategy.init_args.dp_shards=2"],
+        "trainer.strategy.init_args.dp_shards",
+        "did you mean dp_shard?",
+    ),  # fmt: skip
     "cp": (["--trainer.strategy.init_args.cp=3"], "trainer.strategy.init_args.cp", "use cp=1"),
     "grad_clip": (["--model.grad_clip=-1"], "model.grad_clip", ">= 0"),
 }
