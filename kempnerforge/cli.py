@@ -9,6 +9,7 @@ text into shards. Under ``srun`` Lightning detects ``SLURMEnvironment`` itself.
 from __future__ import annotations
 
 import contextvars
+import re
 import sys
 import uuid
 from pathlib import Path
@@ -165,6 +166,24 @@ class KForgeCLI(LightningCLI):
         return parser
 
     @override
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's read of a ``ckpt_path`` file's hyperparameters; a file that is no checkpoint (``--ckpt_path
+        README.md``) is one line instead of torch.load's traceback (which advises ``weights_only=False``).
+
+        Raises:
+            PathError: ``ckpt_path`` is a file torch.load cannot read as a checkpoint.
+        """
+        try:
+            super()._parse_ckpt_path()
+        except Exception as err:  # UnpicklingError, RuntimeError (not a zip), EOFError, ...
+            ckpt_path = self.config[self.config.subcommand].get("ckpt_path")
+            raise PathError(
+                "ckpt_path",
+                f"{ckpt_path} is a file that is not a checkpoint; give a checkpoint folder (step=N.ckpt), the folder "
+                "holding `latest`, or auto",
+            ) from err
+
+    @override
     def before_instantiate_classes(self) -> None:
         """Refuse what the strategy and module would refuse once built, before any class is instantiated and
         before any process starts (:func:`check_trainer_config`).
@@ -285,6 +304,7 @@ def check_trainer_config(trainer: Any) -> None:
     """
     if trainer is None:
         return
+    check_trainer_counts(trainer)
     check_lightning_clipping(trainer.get("gradient_clip_val"))
     strategy = trainer.get("strategy")
     class_path = strategy.get("class_path") if hasattr(strategy, "get") else None
@@ -292,6 +312,29 @@ def check_trainer_config(trainer: Any) -> None:
         return
     init_args = strategy.get("init_args") or {}
     trainer_precision_to_param(trainer.get("precision") or "32-true", init_args.get("mixed_precision_param", "auto"))
+
+
+def check_trainer_counts(trainer: Any) -> None:
+    """``trainer.max_steps``, ``trainer.devices`` and ``trainer.accumulate_grad_batches`` as Lightning accepts them,
+    checked before the Trainer exists (Lightning raises a traceback for the first two, and divides by zero at the
+    first step for the third).
+
+    Raises:
+        ValueError: ``trainer.<field>: <what is allowed>``.
+    """
+    max_steps = trainer.get("max_steps")
+    if isinstance(max_steps, int) and max_steps < -1:
+        raise ValueError(f"trainer.max_steps: {max_steps} is not allowed; give a step count >= 0, or -1 (no limit)")
+    accumulate = trainer.get("accumulate_grad_batches")
+    if isinstance(accumulate, int) and accumulate < 1:
+        raise ValueError(f"trainer.accumulate_grad_batches: {accumulate} is not allowed; give an integer >= 1")
+    devices = trainer.get("devices")
+    count = devices if isinstance(devices, int) else int(devices) if str(devices).lstrip("-").isdigit() else None
+    if count is not None and (count == 0 or count < -1):
+        raise ValueError(
+            f"trainer.devices: {devices} is not allowed; give a device count >= 1, -1 (every device), 'auto' or a list "
+            "of device indices"
+        )
 
 
 def _is_kempner_strategy(class_path: str) -> bool:
@@ -313,7 +356,8 @@ def component_errors(report: str) -> list[str]:
         return []
     block = report.split("\nErrors:\n", 1)[1].split("\nGiven value", 1)[0]
     lines = [line.strip()[2:] for line in block.splitlines() if line.strip().startswith("- ")]
-    return [line for line in lines if not line.startswith("Expected a <class 'NoneType'>")]
+    # "Expected a <class 'NoneType'>" / "<class 'str'>": the other members of the union, not what the class said.
+    return [line for line in lines if not re.match(r"Expected a <class '(NoneType|str)'>", line)]
 
 
 def resolve_auto_ckpt_path(config: Any, trainer: Any) -> None:

@@ -80,6 +80,8 @@ _STRATEGY_ARGS = (
 _DOTTED = re.compile(r"(?<![\w/.-])([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)\b")
 _CLASS_ATTR = re.compile(r"\b(" + "|".join(_CLASS_FIELDS) + r")\.([a-z_][a-z0-9_]*)")
 _BARE_ARG = re.compile(r"\b(" + "|".join(_STRATEGY_ARGS) + r")=")
+#: ``CausalLM`` / ``VisionLanguage`` arguments that messages name bare (``grad_clip=-1.0 must be >= 0``).
+_MODULE_ARG = re.compile(r"\b(grad_clip|loss_impl|init_from|seed)=")
 _FILE_SUFFIXES = ("yaml", "yml", "json", "jsonl", "csv", "txt", "pt", "ckpt", "py", "parquet", "npy", "partial")
 
 
@@ -109,6 +111,9 @@ def infer_field(message: str, default: str = "config") -> str:
         if match.group(1).rsplit(".", 1)[-1] not in _FILE_SUFFIXES and not match.group(1).startswith("torch."):
             candidates.append((match.start(), _qualify(match.group(1))))
             break
+    module_arg = _MODULE_ARG.search(message)
+    if module_arg:
+        candidates.append((module_arg.start(), f"model.{module_arg.group(1)}"))
     bare = _BARE_ARG.search(message)
     if bare:
         candidates.append((bare.start(), f"trainer.strategy.init_args.{bare.group(1)}"))
@@ -119,8 +124,13 @@ def _argparse_line(message: str) -> tuple[str, str]:
     """(field, message) of a jsonargparse parse error (``Parser key "x.y":\\n  Expected ...``)."""
     text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
     key = re.match(r'Parser key "([^"]+)":\s*(.*)', text)
+    option = re.search(r"Problem with given class_path '([\w.]+)': Option '(\w+)' is not accepted", text)
+    if key and option:  # an init_args key the class does not take: jsonargparse reports the whole union
+        return _unknown_init_arg(key.group(1), option.group(1), option.group(2))
     if key:
         return key.group(1), key.group(2)
+    if text.startswith("Unexpected config"):  # an empty --config file (YAML null), or one that is no mapping
+        return "--config", "a config file is empty or is not a YAML mapping of fields (e.g. trainer: {max_steps: 10})"
     unknown = re.match(r"[Uu]nrecognized arguments: (\S+)", text)
     if unknown:
         option = unknown.group(1).split("=", 1)[0]
@@ -130,6 +140,22 @@ def _argparse_line(message: str) -> tuple[str, str]:
         command, key = extra.groups()
         return key, f"not a field of kforge {command} (in a --config file?); kforge {command} --help lists every field"
     return "arguments", text
+
+
+def _unknown_init_arg(key: str, class_path: str, name: str) -> tuple[str, str]:
+    """(``key.init_args.name``, ``unknown; did you mean X?``) for an option ``class_path`` does not take."""
+    import difflib
+    import importlib
+    import inspect
+
+    module, _, cls_name = class_path.rpartition(".")
+    try:
+        accepted = list(inspect.signature(getattr(importlib.import_module(module), cls_name)).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        accepted = []
+    close = difflib.get_close_matches(name, accepted, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"{cls_name} takes: {', '.join(accepted[:30])}"
+    return f"{key}.init_args.{name}", f"unknown; {hint}"
 
 
 def argparse_error_line(message: str) -> str:

@@ -132,6 +132,12 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, world: WorldSpec) -> None:
         if not Path(ckpt_path).exists():
             raise PathError("ckpt_path", f"{ckpt_path} does not exist")
         return
+    if Path(ckpt_path).is_file():  # torch.load of it would fail with advice to unpickle anything (weights_only=False)
+        raise PathError(
+            "ckpt_path",
+            f"{ckpt_path} is a file, not a checkpoint; give a checkpoint folder (step=N.ckpt), the folder holding "
+            "`latest`, or auto",
+        )
     resolved = strategy.checkpoint_io.resolve(ckpt_path)
     if world.rank == 0 and resolved.is_dir():
         from kempnerforge.checkpoint.verify import verify_checkpoint

@@ -23,6 +23,7 @@ weight is never dropped silently.
 from __future__ import annotations
 
 import shutil
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
@@ -72,12 +73,16 @@ def dcp_to_hf(
     dtype: str = "float32",
     max_shard_size: str | int = "5GB",
     tokenizer: str | Path | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Export a kempnerforge checkpoint as a ``transformers`` directory (one process, no process group).
 
+    The directory is written beside ``output_dir`` first and swapped in when complete, so an existing folder is
+    either left as it was or replaced whole (never a mix of old and new tokenizer / chat-template files).
+
     Args:
         ckpt: checkpoint directory or the folder holding ``latest``.
-        output_dir: directory to write (created; existing files of the same names are replaced).
+        output_dir: directory to write; a non-empty one is refused unless ``overwrite``.
         dtype: weight dtype in the safetensors files: float32, bfloat16 or float16.
         max_shard_size: largest safetensors file (``save_pretrained`` syntax: "5GB" or bytes); larger
             models are split into ``model-0000i-of-0000n.safetensors`` plus an index.
@@ -90,7 +95,12 @@ def dcp_to_hf(
     Raises:
         ValueError: a model without HF equivalent (:func:`hf_family`), an unknown dtype.
         FileNotFoundError: ``tokenizer`` is not a directory.
+        FileExistsError: ``output_dir`` is a file, or a non-empty folder and not ``overwrite``.
     """
+    out = Path(output_dir)
+    refuse_export_target(out, overwrite)
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory")
     torch_dtype = dtype_from_name(dtype)
     loaded = load_checkpoint_model(ckpt)
     family = hf_family(loaded.config)
@@ -104,13 +114,43 @@ def dcp_to_hf(
         k: v.detach().to(torch.float32 if k.endswith(keep) else torch_dtype).contiguous() for k, v in hf_sd.items()
     }
     hf_model = _hf_model_with(hf_config, hf_sd, loaded.config.tie_embeddings)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(out, max_shard_size=max_shard_size)
-    tok = tokenizer if tokenizer is not None else loaded.tokenizer
-    if tok is not None:
-        copy_tokenizer_files(tok, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        hf_model.save_pretrained(staging, max_shard_size=max_shard_size)
+        tok = tokenizer if tokenizer is not None else loaded.tokenizer
+        if tok is not None:
+            copy_tokenizer_files(tok, staging)
+        _swap_in(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out
+
+
+def refuse_export_target(out: Path, overwrite: bool) -> None:
+    """Refuse an export target that is a file, or a non-empty folder without ``overwrite``.
+
+    Raises:
+        FileExistsError: either case (the message names the folder and the ``--overwrite`` flag).
+    """
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; give a folder (new or empty)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{out} is not empty; give a new or empty folder, or --overwrite to replace the whole folder"
+        )
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Put the complete ``staging`` folder at ``out``; an existing ``out`` is removed only after the rename."""
+    old = out.with_name(f".{out.name}.old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    staging.chmod(0o755)  # mkdtemp makes it 0700
+    staging.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _hf_model_with(hf_config, hf_sd: dict[str, torch.Tensor], tied: bool) -> nn.Module:
@@ -187,6 +227,7 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     hf_config = _read_hf_config(hf_dir)
     family = family_for_hf_config(hf_config).module
     cfg = family.from_hf_config(hf_config)
+    _refuse_larger_tokenizer(hf_dir, cfg.vocab_size)
     # The optional family hooks init_from uses too: weights from_pretrained would skip (DeepSeek-V3's MTP layers),
     # and options the folder's config sets for the mapping (DeepSeek-V3's RoPE row layout).
     if hasattr(family, "check_hf_dir"):
@@ -225,6 +266,29 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     return write_weights_checkpoint(
         model, cfg, output_dir, name, source=str(hf_dir), token_ids=token_ids, tokenizer=tokenizer
     )
+
+
+def _refuse_larger_tokenizer(hf_dir: str | Path, vocab_size: int) -> None:
+    """Refuse a folder whose tokenizer gives ids the model has no embedding row for (generate would fail later
+    with an ``IndexError``).
+
+    Raises:
+        ValueError: the tokenizer (base vocabulary plus added tokens) holds more tokens than ``vocab_size``.
+    """
+    if not _has_tokenizer_files(hf_dir):
+        return
+    from transformers import AutoTokenizer  # local import: transformers is slow to import
+
+    try:
+        with quiet_transformers():
+            size = len(AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True))
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable tokenizer files: the weights check decides
+        return
+    if size > vocab_size:
+        raise ValueError(
+            f"{hf_dir}: its tokenizer has {size} tokens but the model's vocab_size is {vocab_size} (ids "
+            f"{vocab_size}..{size - 1} have no embedding row); use the tokenizer the model was trained with"
+        )
 
 
 def _has_tokenizer_files(folder: str | Path) -> bool:

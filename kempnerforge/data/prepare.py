@@ -198,16 +198,72 @@ def _iter_hf_text(dataset: Any, text_field: str, source: str, batch_size: int) -
             raise missing(columns)
         dataset = dataset.select_columns([text_field])
 
-    def rows() -> Iterator[tuple[str, bool]]:
-        for batch in dataset.iter(batch_size=batch_size):
-            if text_field not in batch:
-                raise missing(list(batch))
-            for text in batch[text_field]:
-                if text is not None and not isinstance(text, str):
-                    raise TypeError(f"text_field={text_field!r} of {source!r} holds {type(text).__name__}, not str")
+    return _Rows(dataset, text_field, source, batch_size, missing)
+
+
+class _Rows:
+    """The documents of a ``datasets`` table, one ``(text, True)`` per row; counts the rows that lack
+    ``text_field`` (``missing``: a jsonl record without the key reads as None) so they are reported, not
+    dropped silently.
+
+    Raises (while iterating):
+        KeyError: a batch without the column.
+        TypeError: a value is not a string.
+        ValueError: a json/jsonl file that does not parse (names the file and its 1-based line).
+    """
+
+    def __init__(self, dataset: Any, text_field: str, source: str, batch_size: int, missing: Any) -> None:
+        self.dataset, self.text_field, self.source, self.batch_size = dataset, text_field, source, batch_size
+        self._missing_error = missing
+        self.missing = 0
+
+    def __iter__(self) -> Iterator[tuple[str, bool]]:
+        import logging
+
+        # datasets' json reader logs the parse error itself before raising: the one line below says it instead.
+        reader_log = logging.getLogger("datasets.packaged_modules.json.json")
+        level = reader_log.level
+        reader_log.setLevel(logging.CRITICAL)
+        try:
+            yield from self._rows()
+        except Exception as err:
+            if type(err).__name__ not in ("ArrowInvalid", "DatasetGenerationError", "JSONDecodeError"):
+                raise
+            raise ValueError(_bad_json_message(self.source, err)) from err
+        finally:
+            reader_log.setLevel(level)
+
+    def _rows(self) -> Iterator[tuple[str, bool]]:
+        for batch in self.dataset.iter(batch_size=self.batch_size):
+            if self.text_field not in batch:
+                raise self._missing_error(list(batch))
+            for text in batch[self.text_field]:
+                if text is None:
+                    self.missing += 1
+                elif not isinstance(text, str):
+                    raise TypeError(
+                        f"text_field={self.text_field!r} of {self.source!r} holds {type(text).__name__}, not str"
+                    )
                 yield text or "", True
 
-    return rows()
+
+def _bad_json_message(source: str, err: BaseException) -> str:
+    """``source ...: FILE line N is not JSON (...)``: the first line of the source's json files that does not parse
+    (pyarrow's ``row`` counts from 0 within a read block, so it is not a line number)."""
+    root = Path(source)
+    files = [root] if root.is_file() else _files_with(root, _JSON_SUFFIXES) if root.is_dir() else []
+    for path in files:
+        if path.suffix != ".jsonl":
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as bad:
+                    return f"source {str(path)!r} line {number} is not JSON ({bad.msg}); fix or remove that line"
+    return f"source {source!r} does not parse as JSON ({' '.join(str(err).split())[:200]})"
 
 
 def _files_with(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -458,16 +514,30 @@ def prepare_data(
     fingerprint = source_fingerprint(source, tokenizer, text_field)
     pieces, num_docs = iter_source(source, text_field, text_chunk_chars, batch_size)
     out = Path(output_dir).expanduser().resolve()
+    created = not out.exists()
     _prepare_output_dir(out, overwrite)
-    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
-    writer = ShardWriter(out, shard_size, dtype)
-    with tqdm(total=num_docs, unit="doc", desc="tokenizing", disable=not progress) as bar:
-        stats = _encode_pieces(pieces, tok, writer, batch_size, bar)
-    shards = writer.close()
-    if not shards:
-        raise ValueError(
-            f"source {str(source)!r} produced no tokens (all {stats['num_empty_documents']} documents empty)"
-        )
+    try:
+        dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
+        writer = ShardWriter(out, shard_size, dtype)
+        with tqdm(total=num_docs, unit="doc", desc="tokenizing", disable=not progress) as bar:
+            stats = _encode_pieces(pieces, tok, writer, batch_size, bar)
+        missing = getattr(pieces, "missing", 0)
+        if missing and not stats["num_documents"]:
+            raise ValueError(
+                f"text_field={text_field!r}: none of the {missing} records of {str(source)!r} holds it; pass "
+                "--text_field with the key that holds the text"
+            )
+        shards = writer.close()
+        if not shards:
+            raise ValueError(
+                f"source {str(source)!r} produced no tokens (all {stats['num_empty_documents']} documents empty)"
+            )
+    except BaseException:
+        if created:  # a refused source leaves no half-written folder behind
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     metadata = {
         "tokenizer": tok.path,
         "vocab_size": tok.vocab_size,
@@ -478,6 +548,7 @@ def prepare_data(
         "source": source if isinstance(source, dict) else str(Path(source).expanduser().resolve()),
         "text_field": text_field,
         **stats,
+        "num_records_without_text_field": missing,
         "fingerprint": fingerprint,
     }
     _atomic_write(out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode()))
@@ -542,3 +613,10 @@ def prepare_main(argv: list[str] | None = None) -> None:
         f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']:,} documents, {len(meta['shards'])} shards, "
         f"{meta['dtype']}) to {Path(cfg['output_dir']).resolve()}"
     )
+    if meta.get("num_records_without_text_field"):
+        print(
+            f"kforge: warning: --text_field: {meta['num_records_without_text_field']:,} records have no "
+            f"{meta['text_field']!r} and were skipped",
+            file=sys.stderr,
+            flush=True,
+        )

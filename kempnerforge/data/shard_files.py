@@ -39,7 +39,13 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
     With ``overwrite`` only our own files go (metadata.json first, so the folder stops looking
     complete before any shard disappears); anything else in the folder is left alone.
     """
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        writable = os.access(output_dir, os.W_OK | os.X_OK)
+    except OSError as err:  # a read-only parent, a file in the way: one line naming the option
+        raise FileExistsError(f"output_dir {str(output_dir)!r} cannot be created ({err.strerror})") from err
+    if not writable:
+        raise FileExistsError(f"output_dir {str(output_dir)!r} is not writable; give a folder you can write")
     entries = sorted(p.name for p in output_dir.iterdir())
     if entries and not overwrite:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")

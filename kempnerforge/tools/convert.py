@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weight dtype written")
     out.add_argument("--max_shard_size", default="5GB", help="split safetensors files above this size")
     out.add_argument("--tokenizer", default=None, help="tokenizer dir to copy (default: the one recorded)")
+    out.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir (the whole folder)")
     inp = sub.add_parser("hf-to-dcp", help="transformers directory -> weights-only DCP checkpoint")
     inp.add_argument("--hf_dir", required=True, help="local transformers model directory")
     inp.add_argument("--output_dir", required=True)
@@ -41,7 +42,15 @@ def convert_main(argv: list[str] | None = None) -> None:
     from kempnerforge.checkpoint.convert import dcp_to_hf, hf_to_dcp
 
     if args.direction == "dcp-to-hf":
-        out = dcp_to_hf(args.ckpt, args.output_dir, args.dtype, args.max_shard_size, args.tokenizer)
+        try:
+            out = dcp_to_hf(args.ckpt, args.output_dir, args.dtype, args.max_shard_size, args.tokenizer,
+                            overwrite=args.overwrite)  # fmt: skip
+        except FileExistsError as err:  # a file, or a folder that holds something, without --overwrite
+            print(f"kforge: error: --output_dir: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from err
+        except FileNotFoundError as err:  # --tokenizer is no folder
+            print(f"kforge: error: --tokenizer: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from err
         print(f"wrote transformers directory {out.resolve()}")
     else:
         try:

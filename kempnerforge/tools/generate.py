@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,6 +89,17 @@ def _lines(stream: Iterable[str]) -> Iterable[str]:
             yield line
 
 
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before the checkpoint is read, an empty prompt, a ``--tokenizer`` that is no local folder (it would be
+    looked up as a Hub repo id) and ``--device cuda`` on a torch without CUDA (``parser.error``: one line, exit 2)."""
+    if any(not p.strip() for p in args.prompt):
+        parser.error("--prompt: a prompt is empty; give text to continue")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        parser.error(f"--tokenizer: {args.tokenizer} is not a local tokenizer folder (nothing is downloaded)")
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device: {args.device} is not available (this torch has no CUDA device); use --device cpu")
+
+
 def generate_main(argv: list[str] | None = None) -> None:
     """Entry point of ``kforge generate`` (see the module docstring).
 
@@ -98,6 +110,7 @@ def generate_main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.prompt and not args.interactive:
         parser.error("give --prompt (repeatable) or --interactive")
+    _check_arguments(parser, args)
     from kempnerforge.checkpoint.convert import dtype_from_name
     from kempnerforge.checkpoint.load import is_vlm_checkpoint, load_checkpoint_model
     from kempnerforge.model.generate import SamplingConfig

@@ -45,7 +45,7 @@ def checkpoint_lm(
         from lm_eval.models.huggingface import HFLM
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("checkpoint_lm needs lm-evaluation-harness: pip install lm_eval") from err
-    out = dcp_to_hf(ckpt, export_dir, dtype=dtype, tokenizer=tokenizer)
+    out = dcp_to_hf(ckpt, export_dir, dtype=dtype, tokenizer=tokenizer, overwrite=True)  # reused: replaced whole
     if not any(out.glob("tokenizer*")) and not (out / "vocab.json").is_file():
         raise ValueError(f"no tokenizer in {out}: pass tokenizer=DIR (the checkpoint records none)")
     return HFLM(pretrained=str(out), tokenizer=str(out), dtype=dtype, batch_size=batch_size, device=device)

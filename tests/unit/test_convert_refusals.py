@@ -70,8 +70,8 @@ def test_import_refuses_a_checkpoint_folder_and_records_the_tokenizer(tmp_path, 
 
     from kempnerforge.checkpoint.load import load_checkpoint_model
 
-    good = save_random(tf.LlamaForCausalLM, tf.LlamaConfig(**SMALL), tmp_path / "good")
-    for f in gpt2_tokenizer_dir.iterdir():
+    good = save_random(tf.LlamaForCausalLM, tf.LlamaConfig(**SMALL | {"vocab_size": 50257}), tmp_path / "good")
+    for f in gpt2_tokenizer_dir.iterdir():  # GPT-2's 50257 tokens: a vocabulary that holds them (hf-to-dcp checks)
         shutil.copy(f, good / f.name)
     out = tmp_path / "imported"
     convert_main(["hf-to-dcp", "--hf_dir", str(good), "--output_dir", str(out)])
