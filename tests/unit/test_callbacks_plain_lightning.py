@@ -247,15 +247,16 @@ def test_kforge_adds_its_progress_bar_and_summary_unless_configured():
     config = {"callbacks": [NaNGuard()]}
     add_default_callbacks(config)
     assert [type(c) for c in config["callbacks"]] == [NaNGuard, ProgressBar, ModelSummary]
-    own = {"callbacks": [TQDMProgressBar(), RichModelSummary()]}
+    own = {"callbacks": [TQDMProgressBar(), RichModelSummary(), NaNGuard(action="raise")]}
     add_default_callbacks(own)
-    assert [type(c) for c in own["callbacks"]] == [TQDMProgressBar, RichModelSummary]
+    assert [type(c) for c in own["callbacks"]] == [TQDMProgressBar, RichModelSummary, NaNGuard]
+    assert own["callbacks"][2].action == "raise"  # a configured NaNGuard is kept, not doubled
     off = {"callbacks": None, "enable_progress_bar": False, "enable_model_summary": False}
     add_default_callbacks(off)
-    assert off["callbacks"] is None
-    single = {"callbacks": TQDMProgressBar(), "enable_model_summary": False}
+    assert [type(c) for c in off["callbacks"]] == [NaNGuard]  # the NaN guard is on even with no bar or summary
+    single = {"callbacks": [TQDMProgressBar(), NaNGuard()], "enable_model_summary": False}
     add_default_callbacks(single)
-    assert isinstance(single["callbacks"], TQDMProgressBar)  # nothing to add: left as configured
+    assert [type(c) for c in single["callbacks"]] == [TQDMProgressBar, NaNGuard]  # nothing to add
 
 
 class _RecordBias(Callback):
