@@ -85,6 +85,10 @@ class KempnerStrategy(ModelParallelStrategy):
     MoE layers); it is checked once, with one :class:`~kempnerforge.parallel.contract.ModelContractError`
     naming what is missing, before the chain runs.
 
+    Signals (SIGTERM, SIGUSR1, SIGINT) are handled by a flag-only :class:`~kempnerforge.callbacks.Preemption` in
+    every run (one is added when none is configured; :mod:`kempnerforge.strategies.stop_on_signal`): Lightning's own
+    handlers, which broadcast inside the signal handler, and its per-step SIGTERM broadcast never run here.
+
     Args:
         dp_replicate: data-parallel replicas (HSDP when > 1 together with ``dp_shard`` > 1).
         dp_shard: FSDP2 shard degree; -1 infers it from the world size.
