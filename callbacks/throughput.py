@@ -34,8 +34,8 @@ class MFUMonitor(Callback):
     ``flops_per_token(seq_len)`` method, else its ``config.flops_per_token(seq_len)``
     (:meth:`kempnerforge.config.ModelConfig.flops_per_token`); without any, only tokens/s are
     logged. The peak is ``peak_flops`` if given, else the dense bf16 datasheet figure of the GPU
-    (:data:`kempnerforge.metrics.peak.GPU_PEAK_BF16_FLOPS`) or, on CPU, an fp32 matmul peak measured once per
-    machine and cached (:func:`kempnerforge.metrics.peak.cpu_peak_flops`).
+    (:data:`kempnerforge.metrics.peak.GPU_PEAK_BF16_FLOPS`) or, on CPU, an fp32 matmul peak: the highest
+    measured on the machine, cached (:func:`kempnerforge.metrics.peak.cpu_peak_flops`).
     When the model has FP8 (``Float8*``) layers, MFU is omitted unless ``peak_flops`` is given
     (a bf16 peak would overstate it); it is then logged as ``train/mfu_fp8``.
 
@@ -105,7 +105,7 @@ class MFUMonitor(Callback):
             return "peak_flops"
         if device.type == "cuda":
             return f"dense bf16 datasheet figure of {torch.cuda.get_device_name(device)}"
-        return f"fp32 matmul measured once on this machine, cached in {peak_cache_path()}"
+        return f"fp32 matmul, the highest measured on this machine, cached in {peak_cache_path()}"
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -38,7 +38,12 @@ def test_cpu_tiny_run_reports_throughput_mfu_memory_and_a_falling_loss(tmp_path)
     assert s["flops_per_token"] == bench.model_config("tiny", None, 32).flops_per_token(32)  # 6N + attention
     assert results["device"]["type"] == "cpu" and results["device"]["peak_flops"] > 0
     run = results["runs"]["kforge"]
-    assert run["tokens_per_s_per_device"] > 0 and 0 < run["mfu"] < 1
+    assert run["tokens_per_s_per_device"] > 0
+    # MFU is achieved FLOP/s over the peak the run measured. On a CPU that peak is one 512^3 matmul in the run's
+    # dtype, which a tiny model's mix of small GEMMs can outrun (1.15-1.54 on a 2-core EPYC without bf16 units),
+    # so the test checks the arithmetic, not a bound that depends on the processor.
+    peak = results["device"]["peak_flops"]
+    assert run["mfu"] == pytest.approx(run["tokens_per_s_per_device"] * s["flops_per_token"] / peak) and run["mfu"] > 0
     assert run["tflops_per_s"] == pytest.approx(run["tokens_per_s_per_device"] * s["flops_per_token"] / 1e12)
     assert run["step_ms"] == pytest.approx(1e3 * s["tokens_per_step"] / run["tokens_per_s_per_device"])
     assert run["process_peak_rss_gib"] > 0
