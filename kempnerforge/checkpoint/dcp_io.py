@@ -8,6 +8,8 @@ One checkpoint is a directory written by every rank (PyTorch Distributed Checkpo
         .metadata, __*_*.distcp    DCP: model and optimizer shards (every rank)
         meta.pt                    Lightning state: loops, callbacks, LR schedulers, hparams (rank 0)
         rank_00000.pt ...          per-rank state: RNG, dataloader position (every rank)
+        checksums_00000.json ...   each rank's files with their sizes and checksums, hashed while written
+                                   (every rank; kempnerforge.checkpoint.checksum)
         COMPLETE                   completion marker, written after every rank finished (rank 0)
       step=00000200.ckpt.partial/  a save in progress (renamed when every rank has finished)
       latest                       text: the name of the newest complete checkpoint
@@ -50,6 +52,13 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from typing_extensions import override
 
+from kempnerforge.checkpoint.checksum import (
+    ChecksumFileSystemWriter,
+    Manifests,
+    Record,
+    save_hashed,
+    write_manifest,
+)
 from kempnerforge.checkpoint.disk import CheckpointSpaceError, space_errno, space_error
 from kempnerforge.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from kempnerforge.checkpoint.layout import (
@@ -114,11 +123,10 @@ def _nbytes(tree: Any) -> int:
     return sum(getattr(t, "_local_tensor", t).nbytes for t in _tensors(tree))
 
 
-def _save_file(obj: Any, file: Path) -> None:
+def _save_file(obj: Any, file: Path, record: Record) -> None:
     # A Python file object, not a path: PyTorch's own file writer reports a full disk as "unexpected pos",
-    # losing the errno that _failed_save looks for.
-    with open(file, "wb") as f:
-        torch.save(obj, f)
+    # losing the errno that _failed_save looks for. Hashed on the way (kempnerforge.checkpoint.checksum).
+    save_hashed(obj, file, record)
 
 
 def _failed_save(err: BaseException, tmp: Path, path: Path, needed: int) -> None:
@@ -134,7 +142,9 @@ def _failed_save(err: BaseException, tmp: Path, path: Path, needed: int) -> None
         raise space_error(code, path, needed) from err
 
 
-def _load_file(file: Path) -> Any:
+def _load_file(file: Path, manifests: Manifests | None = None) -> Any:
+    if manifests is not None:
+        manifests.check(file.name)  # before unpickling: overwritten bytes would otherwise load
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -212,18 +222,23 @@ class DCPCheckpointIO(CheckpointIO):
         needed = _nbytes(sharded) * _world()  # shards are about even across ranks
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            _save_file(checkpoint.pop("rank_state", {}), rank_file(tmp, _rank()))
+            record = Record()  # this rank's files, hashed while written; its checksums_<rank>.json at the end
+            _save_file(checkpoint.pop("rank_state", {}), rank_file(tmp, _rank()), record)
             if _rank() == 0:
-                _save_file({**checkpoint, "world_size": _world()}, tmp / META_FILE)
+                _save_file({**checkpoint, "world_size": _world()}, tmp / META_FILE, record)
+            writer = ChecksumFileSystemWriter(tmp, record)
             if self.async_save:
                 group = self._group()
                 if self._stager is None:
                     self._stager = DefaultStager(staging_options(sharded))
                 # The stager's device-to-host copy is the only part on this thread; DCP's upload thread writes.
-                upload = dcp.async_save(sharded, checkpoint_id=tmp, process_group=group, async_stager=self._stager)
-                self._submit(self._finish_async, upload, tmp, path, group, needed)
+                upload = dcp.async_save(
+                    sharded, checkpoint_id=tmp, storage_writer=writer, process_group=group, async_stager=self._stager
+                )
+                self._submit(self._finish_async, upload, tmp, path, group, needed, record)
                 return
-            dcp.save(sharded, checkpoint_id=tmp)
+            dcp.save(sharded, checkpoint_id=tmp, storage_writer=writer)
+            write_manifest(tmp, _rank(), record)
         except BaseException as err:
             _failed_save(err, tmp, path, needed)
             raise
@@ -245,10 +260,12 @@ class DCPCheckpointIO(CheckpointIO):
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kforge-checkpoint")
         self._tasks.append(self._worker.submit(fn, *args))
 
-    def _finish_async(self, upload: Future, tmp: Path, path: Path, group: Any, needed: int) -> None:
-        """Checkpoint worker, every rank: this rank's upload, then all ranks' (barrier), then rank 0 completes it."""
+    def _finish_async(self, upload: Future, tmp: Path, path: Path, group: Any, needed: int, record: Record) -> None:
+        """Checkpoint worker, every rank: this rank's upload and checksum record, then all ranks' (barrier), then
+        rank 0 completes it."""
         try:
             upload.result()  # DCP raises on every rank when any rank's write failed
+            write_manifest(tmp, _rank(), record)  # rank 0's holds .metadata: DCP wrote it before the upload ended
         except BaseException as err:
             _failed_save(err, tmp, path, needed)
             raise
@@ -364,14 +381,16 @@ class DCPCheckpointIO(CheckpointIO):
 
         Raises:
             CheckpointError: from :meth:`resolve`.
-            CorruptCheckpointError: ``meta.pt`` or this rank's state file is missing or does not load (names it).
+            CorruptCheckpointError: ``meta.pt`` or this rank's state file is missing, fails its checksum or does not load
+                (names it).
 
         Returns:
             Lightning's checkpoint dict without model/optimizer tensors, plus ``rank_state`` (this
             rank's entry; rank 0's when the checkpoint was written by fewer ranks) and ``world_size``.
         """
         path = self.resolve(path)
-        meta = _load_file(path / META_FILE)
+        manifests = Manifests(path)  # this rank checks only the files it reads (their writers' records)
+        meta = _load_file(path / META_FILE, manifests)
         own = rank_file(path, _rank())
         if _rank() >= int(meta.get("world_size", 1)):
             # The world grew: every dp rank saved the same dataloader position, so rank 0's serves
@@ -379,7 +398,7 @@ class DCPCheckpointIO(CheckpointIO):
             own = rank_file(path, 0)
         if not own.is_file():
             raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {own} is missing", own)
-        meta["rank_state"] = _load_file(own)
+        meta["rank_state"] = _load_file(own, manifests)
         return meta
 
     @staticmethod

@@ -149,7 +149,7 @@ def load_model_state(
     # Nested like the saved dict, so DCP's flattened keys ("state_dict.model.<fqn>") line up.
     own = {k: v for k, v in model.state_dict().items() if k != tied_head}
     state = {"state_dict": {f"model.{k}": v for k, v in own.items()}}
-    dcp.load(state, checkpoint_id=resolved, no_dist=True)  # no collectives, even if a group exists
+    _read(state, resolved)
     loaded = {key.removeprefix("model."): tensor for key, tensor in state["state_dict"].items()}
     if tied_head is not None:
         loaded[tied_head] = loaded[tied_head.replace("output.weight", "tok_embeddings.weight")]
@@ -157,6 +157,26 @@ def load_model_state(
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     schedule_free_eval_weights_(model, resolved, meta)
+
+
+def _read(state: dict[str, Any], resolved: Path) -> None:
+    """``dcp.load`` without collectives (even if a group exists), each shard file read checked against its checksum.
+
+    Raises:
+        CorruptCheckpointError: a file read fails its checksum or cannot be read (names it).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from kempnerforge.checkpoint.errors import CheckpointError
+    from kempnerforge.checkpoint.verify import NamingFileSystemReader, first_failure
+
+    try:
+        dcp.load(state, storage_reader=NamingFileSystemReader(resolved), no_dist=True)
+    except CheckpointException as err:
+        inner = first_failure(err)
+        if isinstance(inner, CheckpointError):
+            raise inner from err
+        raise
 
 
 @torch.no_grad()
@@ -178,11 +198,13 @@ def schedule_free_eval_weights_(model: torch.nn.Module, resolved: Path, meta: di
         True when the weights were averaged.
     """
     if meta is None:
-        meta = torch.load(resolved / META_FILE, map_location="cpu", weights_only=True)
+        from kempnerforge.checkpoint.verify import verify_checkpoint
+
+        meta = verify_checkpoint(resolved, warn=False)  # meta.pt checked against its checksum
     optimizer = (meta.get("hyper_parameters") or {}).get("optimizer") or {}
     if optimizer.get("name") != "schedule_free_adamw":
         return False
-    saved = dcp.FileSystemReader(resolved).read_metadata().state_dict_metadata
+    saved = dcp.FileSystemReader(resolved).read_metadata().state_dict_metadata  # checked by verify_checkpoint
     params = {n: p for n, p in model.named_parameters() if f"optimizer_0.state.model.{n}.z" in saved}
     state = {
         "optimizer_0": {
@@ -191,7 +213,7 @@ def schedule_free_eval_weights_(model: torch.nn.Module, resolved: Path, meta: di
             **{f"param_groups.model.{n}.betas": (0.0, 0.0) for n in params},
         }
     }
-    dcp.load(state, checkpoint_id=resolved, no_dist=True)
+    _read(state, resolved)
     loaded = state["optimizer_0"]
     for name, param in params.items():
         if loaded[f"param_groups.model.{name}.train_mode"]:

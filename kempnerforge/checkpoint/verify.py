@@ -6,12 +6,15 @@ checkpoint fails halfway, in the middle of DCP's read, with ``PytorchStreamReade
 archive`` and no file name. :func:`verify_checkpoint` finds those cases from sizes and headers, without
 reading a tensor: the DCP ``.metadata`` unpickles, every shard file it names exists and holds the bytes the
 metadata places in it, ``meta.pt`` loads (``weights_only``), and every rank's state file is a whole zip
-archive. What it cannot see (bytes overwritten inside a shard) surfaces during the load, where
-:class:`NamingFileSystemReader` puts the file's name on the error.
+archive; ``.metadata`` and ``meta.pt`` are checked against their checksums first
+(:mod:`kempnerforge.checkpoint.checksum`). Bytes overwritten inside a shard or a rank file are caught by the rank
+that reads it, before DCP uses it (:class:`NamingFileSystemReader`, which also puts the file's name on any read
+error), and :func:`check_checkpoint` checks every file's checksum (``kforge check-ckpt``).
 """
 
 from __future__ import annotations
 
+import logging
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,12 +26,24 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from typing_extensions import override
+
+from kempnerforge.checkpoint.checksum import Manifests
 from kempnerforge.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from kempnerforge.checkpoint.layout import META_FILE, rank_file
 
-__all__ = ["CorruptCheckpointError", "NamingFileSystemReader", "describe_failure", "verify_checkpoint"]
+__all__ = [
+    "CorruptCheckpointError",
+    "NamingFileSystemReader",
+    "check_checkpoint",
+    "describe_failure",
+    "unverified_warning",
+    "verify_checkpoint",
+]
 
 DCP_METADATA = ".metadata"
+
+log = logging.getLogger(__name__)
 
 
 def _corrupt(path: Path, file: Path, reason: str) -> CorruptCheckpointError:
@@ -55,20 +70,36 @@ def shard_sizes(path: Path) -> dict[str, int]:
     return needed
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check every file of the complete checkpoint ``path`` (see the module docstring); reads no tensor.
+def unverified_warning(path: Path) -> str:
+    """The one warning for a checkpoint written before checksums were recorded."""
+    return (
+        f"checkpoint {path} has no checksums (written before kempnerforge recorded them): its files cannot be "
+        "verified; overwritten bytes would load unnoticed"
+    )
+
+
+def verify_checkpoint(path: str | Path, warn: bool = True) -> dict[str, Any]:
+    """Check the complete checkpoint ``path`` without reading a tensor: ``.metadata`` and ``meta.pt`` against their
+    checksums, then that every shard file exists with the bytes the metadata places in it and every rank's state
+    file is a whole zip archive (the shards' own checksums are checked by the rank that reads them,
+    :class:`NamingFileSystemReader`; all of them by :func:`check_checkpoint`).
 
     Args:
         path: a checkpoint directory (holding ``COMPLETE``).
+        warn: log :func:`unverified_warning` when the checkpoint records no checksums.
 
     Returns:
         Its ``meta.pt`` contents (the caller would read them next).
 
     Raises:
-        CorruptCheckpointError: names the first bad file and what is wrong with it (missing, ``N`` bytes where the
-            metadata needs ``M``, not a whole zip archive, or the unpickling error).
+        CorruptCheckpointError: names the first bad file and what is wrong with it (missing, fails its checksum,
+            ``N`` bytes where the metadata needs ``M``, not a whole zip archive, or the unpickling error).
     """
     path = Path(path)
+    manifests = Manifests(path)
+    if not manifests.enabled and warn:
+        log.warning("%s.", unverified_warning(path))
+    manifests.check(DCP_METADATA)
     for name, size in sorted(shard_sizes(path).items()):
         file = path / name
         if not file.is_file():
@@ -76,6 +107,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         have = file.stat().st_size
         if have < size:
             raise _corrupt(path, file, f"is truncated: {have} bytes, the DCP metadata needs at least {size}")
+    manifests.check(META_FILE)
     try:
         meta = _load(path / META_FILE)
     except Exception as err:
@@ -92,6 +124,35 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         if bad is not None:
             raise _corrupt(path, file, f"has a damaged member {bad!r}")
     return meta
+
+
+def check_checkpoint(path: str | Path) -> tuple[list[CorruptCheckpointError], bool]:
+    """Everything wrong with checkpoint ``path``, one error per bad file (``kforge check-ckpt``): reads every file
+    once (every rank's records, so meant for one process, not for a training run's ranks).
+
+    Returns:
+        ``(errors, verified)``: the bad files (empty when whole), and False when the checkpoint records no
+        checksums (then only its structure was checked).
+    """
+    path = Path(path)
+    manifests = Manifests(path)
+    errors: list[CorruptCheckpointError] = []
+    try:
+        meta = verify_checkpoint(path, warn=False)
+    except CorruptCheckpointError as err:
+        errors.append(err)
+        meta = None
+    if manifests.enabled:
+        world = int(meta.get("world_size", 1)) if meta is not None else _recorded_ranks(path)
+        seen = {err.file for err in errors}
+        errors += [err for err in manifests.check_all(world) if err.file not in seen]
+    return errors, manifests.enabled
+
+
+def _recorded_ranks(path: Path) -> int:
+    # meta.pt is unreadable: every record present counts.
+    ranks = [int(f.stem.removeprefix("checksums_")) for f in path.glob("checksums_*.json")]
+    return max(ranks, default=0) + 1
 
 
 class _NamingFileSystem(FileSystem):
@@ -111,11 +172,41 @@ class _NamingFileSystem(FileSystem):
 
 
 class NamingFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose errors name the shard file that failed (:class:`CorruptCheckpointError`)."""
+    """``FileSystemReader`` that checks each file it reads against the checkpoint's checksum records before
+    using it (``.metadata`` before unpickling it, the shard files of this rank's read plan before reading a
+    tensor; :class:`~kempnerforge.checkpoint.checksum.Manifests`), and whose errors name the file that failed
+    (:class:`CorruptCheckpointError`). A checkpoint without records is read unchecked.
 
-    def __init__(self, path: str | Path) -> None:
+    Args:
+        path: the checkpoint directory.
+        verify: check checksums (False: only name the failing file, as before checksums existed).
+    """
+
+    def __init__(self, path: str | Path, verify: bool = True) -> None:
         super().__init__(path)
         self.fs = _NamingFileSystem()
+        self.manifests = Manifests(Path(path)) if verify else None
+        self._metadata_error: CorruptCheckpointError | None = None
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self._metadata_error is not None:
+            # DCP retries a failed global .metadata as a per-rank one; keep the first, file-naming error.
+            raise self._metadata_error
+        if self.manifests is not None and kwargs.get("rank") is None:
+            try:
+                self.manifests.check(DCP_METADATA)
+            except CorruptCheckpointError as err:
+                self._metadata_error = err
+                raise
+        return super().read_metadata(*args, **kwargs)
+
+    @override
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        if self.manifests is not None:
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                self.manifests.check(name)
+        return super().read_data(plan, planner)
 
 
 def first_failure(err: BaseException) -> BaseException:

@@ -1,0 +1,349 @@
+"""Checksums of a checkpoint's files: computed while each file is written, recorded per rank, checked on read.
+
+DCP has no checksum of its own, so bytes overwritten inside a shard load silently (a model of NaNs). Every
+file a save writes goes through a :class:`HashingStream` (DCP's shards and ``.metadata`` through
+:class:`ChecksumFileSystemWriter`, ``meta.pt`` and the rank files through :func:`save_hashed`), which hashes
+the bytes on their way to the file: nothing is read back. Each rank then writes its own record,
+``checksums_<rank>.json`` (:func:`write_manifest`), naming the files it wrote with their size and digest;
+rank 0's also holds ``.metadata`` and ``meta.pt``. No rank reads another rank's files for it.
+
+On load every rank checks the files it reads before they are used (:class:`Manifests.check`): DCP's
+``.metadata`` and the shards of its read plan (:class:`~kempnerforge.checkpoint.verify.NamingFileSystemReader`),
+``meta.pt`` and its state file (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO`). A file's record is
+found in the writer's record only (the rank is in the file's name: ``__<rank>_<i>.distcp``, ``rank_<rank>.pt``;
+rank 0 for the rest), so a rank reads one or two small JSON files, whatever the world size.
+
+Algorithm: xxHash's XXH3-64 (the ``xxhash`` package; several GB/s per core, so hashing is a small part of a
+save's time: ``benchmarks/ckpt_checksum.py``); ``zlib.crc32`` from the standard library where ``xxhash`` is not
+installed. The record names the algorithm, so either kind reads back wherever its algorithm is available.
+
+A checkpoint without any record (written before checksums existed) still loads; it cannot be verified, and
+:func:`has_checksums` lets the caller say so once.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import threading
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from kempnerforge.checkpoint.errors import CorruptCheckpointError
+
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - xxhash is a dependency; the fallback keeps a bare install working
+    xxhash = None
+
+__all__ = [
+    "ALGORITHM",
+    "ChecksumFileSystemWriter",
+    "HashingStream",
+    "Manifests",
+    "has_checksums",
+    "manifest_file",
+    "save_hashed",
+    "write_manifest",
+]
+
+#: The algorithm new records use: ``xxh3_64`` when ``xxhash`` is installed, else ``crc32`` (zlib).
+ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
+
+_CHUNK = 8 << 20  # bytes hashed per read when a file is checked
+
+
+class _Crc32:
+    """``zlib.crc32`` behind the ``update`` / ``hexdigest`` interface of ``xxhash``'s hashers."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def new_hasher(algorithm: str = ALGORITHM) -> Any:
+    """A fresh hasher for ``algorithm`` (``xxh3_64`` or ``crc32``).
+
+    Raises:
+        ValueError: an unknown algorithm, or ``xxh3_64`` without the ``xxhash`` package.
+    """
+    if algorithm == "crc32":
+        return _Crc32()
+    if algorithm == "xxh3_64" and xxhash is not None:
+        return xxhash.xxh3_64()
+    raise ValueError(f"checksum algorithm {algorithm!r} is not available here (install xxhash for xxh3_64)")
+
+
+def manifest_file(path: Path, rank: int) -> Path:
+    """Rank ``rank``'s checksum record inside checkpoint ``path``."""
+    return path / f"checksums_{rank:05d}.json"
+
+
+def has_checksums(path: Path) -> bool:
+    """True when checkpoint ``path`` records checksums (rank 0 always writes a record when it does)."""
+    return manifest_file(path, 0).is_file()
+
+
+class HashingStream(io.RawIOBase):
+    """A binary write stream that hashes every byte written to ``raw`` on its way through.
+
+    ``tell`` is this stream's own count (it equals ``raw.tell()`` for a file opened for writing). A ``seek``
+    (no writer used here seeks, but ``torch.save`` may on a seekable stream) marks the digest unknown, and
+    :meth:`digest` then reads the file back once.
+
+    Args:
+        raw: the open file, mode ``wb``.
+        algorithm: as :func:`new_hasher`.
+    """
+
+    def __init__(self, raw: Any, algorithm: str = ALGORITHM) -> None:
+        super().__init__()
+        self.raw = raw
+        self.algorithm = algorithm
+        self._hasher = new_hasher(algorithm)
+        self._pos = 0
+        self._linear = True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False  # torch.save then writes linearly, never seeking back to patch headers
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        written = self.raw.write(view)
+        written = len(view) if written is None else written
+        self._hasher.update(view[:written])
+        self._pos += written
+        return written
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._linear = False
+        self._pos = self.raw.seek(offset, whence)
+        return self._pos
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        # The underlying file is closed by whoever opened it.
+        self.flush()
+        super().close()
+
+    def digest(self, file: Path | None = None) -> str:
+        """The hex digest of everything written (``file`` is read back only after a ``seek``)."""
+        if self._linear or file is None:
+            return self._hasher.hexdigest()
+        return file_digest(file, self.algorithm)[1]
+
+
+def file_digest(file: Path, algorithm: str = ALGORITHM) -> tuple[int, str]:
+    """``(size in bytes, hex digest)`` of ``file``, read in 8 MiB pieces."""
+    hasher = new_hasher(algorithm)
+    size = 0
+    with open(file, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            hasher.update(view[:n])
+            size += n
+    return size, hasher.hexdigest()
+
+
+class Record:
+    """The files one rank wrote into a checkpoint: name -> ``{"size": bytes, "digest": hex}`` (thread-safe:
+    DCP's writer threads and the training thread add to it)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, size: int, digest: str) -> None:
+        with self._lock:
+            self.files[name] = {"size": size, "digest": digest}
+
+    def rename(self, old: str, new: str) -> None:
+        with self._lock:
+            if old in self.files:
+                self.files[new] = self.files.pop(old)
+
+
+@contextmanager
+def hashed_open(file: Path, record: Record) -> Iterator[HashingStream]:
+    """Open ``file`` for writing through a :class:`HashingStream`; its size and digest go into ``record``."""
+    with open(file, "wb") as raw:
+        stream = HashingStream(raw)
+        yield stream
+        stream.flush()
+    record.add(file.name, stream.tell(), stream.digest(file))
+
+
+def save_hashed(obj: Any, file: Path, record: Record) -> None:
+    """``torch.save(obj)`` to ``file``, hashed while written (into ``record``)."""
+    with hashed_open(file, record) as stream:
+        torch.save(obj, stream)
+
+
+def _entries_digest(files: dict[str, Any], algorithm: str) -> str:
+    hasher = new_hasher(algorithm)
+    hasher.update(json.dumps(files, sort_keys=True).encode())
+    return hasher.hexdigest()
+
+
+def write_manifest(path: Path, rank: int, record: Record) -> None:
+    """Write rank ``rank``'s record into checkpoint directory ``path`` (a temporary file, then a rename).
+
+    The record carries a digest of its own entries, so a damaged record is told from a damaged file.
+    """
+    files = dict(sorted(record.files.items()))
+    body = {"algorithm": ALGORITHM, "rank": rank, "files": files, "self": _entries_digest(files, ALGORITHM)}
+    target = manifest_file(path, rank)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(tmp, target)
+
+
+_SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
+_RANK_FILE = re.compile(r"^rank_(\d+)\.pt$")
+
+
+def writer_rank(name: str) -> int:
+    """The rank that wrote the checkpoint file ``name`` (DCP shards and rank files name it; rank 0 otherwise)."""
+    match = _SHARD.match(name) or _RANK_FILE.match(name)
+    return int(match.group(1)) if match else 0
+
+
+class Manifests:
+    """The checksum records of checkpoint ``path``, read on demand (only the records of files checked).
+
+    Args:
+        path: the checkpoint directory.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.enabled = has_checksums(self.path)
+        self._records: dict[int, dict[str, Any]] = {}
+
+    def record(self, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s record (its ``files`` and ``algorithm``).
+
+        Raises:
+            CorruptCheckpointError: the record is missing, not JSON, or its own digest does not match.
+        """
+        if rank not in self._records:
+            file = manifest_file(self.path, rank)
+            try:
+                body = json.loads(file.read_text())
+                ok = _entries_digest(body["files"], body["algorithm"]) == body["self"]
+            except FileNotFoundError as err:
+                raise self._corrupt(file, "is missing (the checkpoint records checksums)") from err
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise self._corrupt(file, f"cannot be read ({type(err).__name__}: {err})") from err
+            if not ok:
+                raise self._corrupt(file, "is damaged (its own checksum does not match)")
+            self._records[rank] = body
+        return self._records[rank]
+
+    def _corrupt(self, file: Path, reason: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"checkpoint {self.path} is corrupt: {file} {reason}", file)
+
+    def check(self, name: str) -> None:
+        """Check file ``name`` of the checkpoint against its writer's record (nothing without records).
+
+        Raises:
+            CorruptCheckpointError: the file is not in its writer's record, is missing, has another size (a
+                truncated or swapped file) or another checksum (overwritten bytes); names the file.
+        """
+        if not self.enabled:
+            return
+        body = self.record(writer_rank(name))
+        entry = body["files"].get(name)
+        file = self.path / name
+        if entry is None:
+            raise self._corrupt(file, f"is not in {manifest_file(self.path, writer_rank(name)).name}")
+        if not file.is_file():
+            raise self._corrupt(file, "is missing")
+        have = file.stat().st_size
+        if have != entry["size"]:
+            raise self._corrupt(file, f"has {have} bytes; {entry['size']} were written")
+        size, digest = file_digest(file, body["algorithm"])
+        if digest != entry["digest"] or size != entry["size"]:
+            raise self._corrupt(file, f"fails its checksum ({body['algorithm']} {digest}, written as {entry['digest']})")
+
+    def check_all(self, world_size: int) -> list[CorruptCheckpointError]:
+        """Check every file that the records of ranks ``0 .. world_size - 1`` name (``kforge check-ckpt``).
+
+        Returns:
+            One error per bad file or record (empty when the checkpoint is whole or has no records).
+        """
+        if not self.enabled:
+            return []
+        errors: list[CorruptCheckpointError] = []
+        for rank in range(world_size):
+            try:
+                names = sorted(self.record(rank)["files"])
+            except CorruptCheckpointError as err:
+                errors.append(err)
+                continue
+            for name in names:
+                try:
+                    self.check(name)
+                except CorruptCheckpointError as err:
+                    errors.append(err)
+        return errors
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local filesystem whose write streams are hashed into ``record`` (renames follow the record)."""
+
+    def __init__(self, record: Record) -> None:
+        super().__init__()
+        self.record = record
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with hashed_open(Path(path), self.record) as stream:
+            yield stream
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # DCP writes ``.metadata.tmp`` and renames it
+        self.record.rename(Path(path).name, Path(new_path).name)
+
+
+class ChecksumFileSystemWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` that hashes each shard file and ``.metadata`` while writing them.
+
+    Args:
+        path: the checkpoint directory being written.
+        record: where the files' sizes and digests go (then :func:`write_manifest`).
+    """
+
+    def __init__(self, path: str | os.PathLike, record: Record) -> None:
+        super().__init__(path)
+        self.fs = _HashingFileSystem(record)
