@@ -40,6 +40,10 @@ TOOLS: dict[str, tuple[str, str]] = {
         "per-rank memory, FLOPs and communication of a recipe on a simulated cluster, before you queue it",
         "kempnerforge.tools.estimate:estimate_main",
     ),
+    "check-ckpt": (
+        "verify a checkpoint (or a folder of them) against the checksums recorded when it was written (exit 2 if BAD)",
+        "kempnerforge.tools.check_ckpt:check_ckpt_main",
+    ),
     "check-env": (
         "check CUDA, NCCL, the SLURM job, the checkpoint folder and logger credentials (exit 2 if MISSING)",
         "kempnerforge.tools.check_env:check_env_main",

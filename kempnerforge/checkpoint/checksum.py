@@ -190,13 +190,20 @@ class Record:
 
 
 @contextmanager
-def hashed_open(file: Path, record: Record) -> Iterator[HashingStream]:
-    """Open ``file`` for writing through a :class:`HashingStream`; its size and digest go into ``record``."""
-    with open(file, "wb") as raw:
-        stream = HashingStream(raw)
-        yield stream
-        stream.flush()
+def hashed(raw: Any, file: Path, record: Record) -> Iterator[HashingStream]:
+    """Write to the open file ``raw`` (``file``) through a :class:`HashingStream`; its size and digest go into
+    ``record`` once the block ends."""
+    stream = HashingStream(raw)
+    yield stream
+    stream.flush()
     record.add(file.name, stream.tell(), stream.digest(file))
+
+
+@contextmanager
+def hashed_open(file: Path, record: Record) -> Iterator[HashingStream]:
+    """Open ``file`` for writing through a :class:`HashingStream` (as :func:`hashed`)."""
+    with open(file, "wb") as raw, hashed(raw, file, record) as stream:
+        yield stream
 
 
 def save_hashed(obj: Any, file: Path, record: Record) -> None:
@@ -239,10 +246,13 @@ class Manifests:
 
     Args:
         path: the checkpoint directory.
+        context: errors start with ``checkpoint <path> is corrupt:`` (False: with the file's path alone, for a
+            caller that puts the checkpoint around it, as the strategy does for DCP's read errors).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, context: bool = True) -> None:
         self.path = Path(path)
+        self.context = context
         self.enabled = has_checksums(self.path)
         self._records: dict[int, dict[str, Any]] = {}
 
@@ -267,7 +277,8 @@ class Manifests:
         return self._records[rank]
 
     def _corrupt(self, file: Path, reason: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"checkpoint {self.path} is corrupt: {file} {reason}", file)
+        prefix = f"checkpoint {self.path} is corrupt: " if self.context else ""
+        return CorruptCheckpointError(f"{prefix}{file} {reason}", file)
 
     def check(self, name: str) -> None:
         """Check file ``name`` of the checkpoint against its writer's record (nothing without records).
@@ -328,7 +339,7 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with hashed_open(Path(path), self.record) as stream:
+        with super().create_stream(path, mode) as raw, hashed(raw, Path(path), self.record) as stream:
             yield stream
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:

@@ -68,6 +68,7 @@ from kempnerforge.checkpoint.layout import (
     PARTIAL_SUFFIX,
     delete_checkpoint,
     kept_reason,
+    latest_name,
     partial_path,
     rank_file,
     write_latest,
@@ -352,14 +353,15 @@ class DCPCheckpointIO(CheckpointIO):
         checkpoint in it is taken).
 
         Raises:
-            CheckpointError: the path does not exist, is a save in progress / crashed save, or is
-                missing DCP metadata, ``meta.pt`` or the ``COMPLETE`` marker (names what is missing).
+            CheckpointError: the path does not exist, holds a damaged ``latest``, is a save in progress / crashed
+                save, or is missing DCP metadata, ``meta.pt`` or the ``COMPLETE`` marker (names what is missing).
         """
         path = Path(path)
         if not path.exists():
             raise CheckpointError(f"Checkpoint path {path} does not exist.")
-        if (path / LATEST_FILE).is_file():
-            path = path / (path / LATEST_FILE).read_text().strip()
+        name = latest_name(path) if path.is_dir() else None  # CheckpointError for a damaged pointer
+        if name is not None:
+            path = path / name
         if path.name.endswith(PARTIAL_SUFFIX):
             raise CheckpointError(
                 f"{path} is a partial checkpoint (a save that did not finish); resume from the directory "

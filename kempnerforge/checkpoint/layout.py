@@ -19,6 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
+from kempnerforge.checkpoint.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 META_FILE = "meta.pt"
@@ -48,9 +50,22 @@ def is_complete(path: Path) -> bool:
 
 
 def latest_name(dirpath: Path) -> str | None:
-    """The checkpoint name ``<dirpath>/latest`` holds (None when there is no pointer)."""
+    """The checkpoint name ``<dirpath>/latest`` holds (None when there is no pointer).
+
+    Raises:
+        CheckpointError: the pointer is not one line of text naming a directory of ``dirpath`` (binary garbage,
+            an empty file, a path): the caller falls back to the newest complete checkpoint or says so.
+    """
     pointer = dirpath / LATEST_FILE
-    return pointer.read_text().strip() if pointer.is_file() else None
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{pointer} is damaged: {type(err).__name__}: {err}") from err
+    if not name or "/" in name or "\n" in name or not name.isprintable() or name in (".", ".."):
+        raise CheckpointError(f"{pointer} is damaged: it holds {name[:40]!r}, not a checkpoint name")
+    return name
 
 
 def write_latest(path: Path) -> None:
@@ -78,7 +93,11 @@ def protect(dirpath: str | Path, name: str) -> None:
 
 def kept_reason(path: Path) -> str | None:
     """Why checkpoint ``path`` must not be deleted: ``latest`` names it or it is protected (None: it may go)."""
-    if latest_name(path.parent) == path.name:
+    try:
+        latest = latest_name(path.parent)
+    except CheckpointError:  # a damaged pointer protects nothing (the next save rewrites it)
+        latest = None
+    if latest == path.name:
         return f"{path.parent / LATEST_FILE} names it"
     if path.name in protected_names(path.parent):
         return f"it is listed in {path.parent / PROTECTED_FILE}"

@@ -93,17 +93,26 @@ def build_model(config: ModelConfig, device: torch.device | str = "cpu") -> Tran
 
 def resolve_and_verify(path: str | Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint directory ``path`` names (a checkpoint or the folder holding ``latest``) and its ``meta.pt``,
-    after checking its files without reading a tensor (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`),
-    so a truncated or missing shard is named instead of failing inside DCP's read.
+    after checking its files without reading a tensor (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`:
+    ``.metadata`` and ``meta.pt`` against their checksums, the shards' sizes), and every rank's state file against
+    its checksum (small files; a tool refuses a checkpoint a resume would refuse). The shards read are checked as
+    they are read (:func:`load_model_state`). A checkpoint without checksums logs one warning.
 
     Raises:
         CheckpointError: missing or incomplete (:meth:`DCPCheckpointIO.resolve`).
-        CorruptCheckpointError: a missing or truncated shard, an unreadable ``meta.pt`` or rank file (names it).
+        CorruptCheckpointError: a file that fails its checksum, a missing or truncated shard, an unreadable
+            ``meta.pt`` or rank file (names it).
     """
+    from kempnerforge.checkpoint.checksum import Manifests
+    from kempnerforge.checkpoint.layout import rank_file
     from kempnerforge.checkpoint.verify import verify_checkpoint
 
     resolved = DCPCheckpointIO().resolve(path)
-    return resolved, verify_checkpoint(resolved)
+    meta = verify_checkpoint(resolved)
+    manifests = Manifests(resolved)
+    for rank in range(int(meta.get("world_size", 1))):
+        manifests.check(rank_file(resolved, rank).name)
+    return resolved, meta
 
 
 def load_checkpoint_model(

@@ -185,7 +185,7 @@ class NamingFileSystemReader(FileSystemReader):
     def __init__(self, path: str | Path, verify: bool = True) -> None:
         super().__init__(path)
         self.fs = _NamingFileSystem()
-        self.manifests = Manifests(Path(path)) if verify else None
+        self.manifests = Manifests(Path(path), context=False) if verify else None
         self._metadata_error: CorruptCheckpointError | None = None
 
     @override

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from kempnerforge.checkpoint.errors import CheckpointError
 from kempnerforge.checkpoint.layout import is_complete, latest_name
 
 __all__ = [
@@ -46,8 +47,12 @@ def complete_checkpoints(dirpath: Path) -> list[Path]:
 
 
 def latest_target(dirpath: Path) -> Path | None:
-    """The checkpoint the ``latest`` pointer names (None when there is no pointer)."""
-    name = latest_name(dirpath)
+    """The checkpoint the ``latest`` pointer names (None when there is no pointer, or a damaged one: warned)."""
+    try:
+        name = latest_name(dirpath)
+    except CheckpointError as err:
+        log.warning("Auto-resume: %s; taking the newest complete checkpoint instead.", err)
+        return None
     return dirpath / name if name is not None else None
 
 

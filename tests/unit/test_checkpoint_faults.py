@@ -123,7 +123,7 @@ def _shard(path: Path) -> Path:
 CORRUPTIONS = {
     "truncated_shard": (lambda p: _shard(p).write_bytes(_shard(p).read_bytes()[:100]), "distcp is truncated"),
     "deleted_shard": (lambda p: _shard(p).unlink(), "distcp is missing"),
-    "truncated_meta": (lambda p: (p / "meta.pt").write_bytes((p / "meta.pt").read_bytes()[:30]), "meta.pt cannot"),
+    "truncated_meta": (lambda p: (p / "meta.pt").write_bytes((p / "meta.pt").read_bytes()[:30]), "meta.pt has 30 bytes"),
     "deleted_rank_file": (lambda p: (p / "rank_00000.pt").unlink(), "rank_00000.pt is missing"),
     "truncated_rank_file": (
         lambda p: (p / "rank_00000.pt").write_bytes((p / "rank_00000.pt").read_bytes()[:-40]),
@@ -149,7 +149,7 @@ def test_verify_names_the_bad_file_and_auto_resume_takes_the_previous_checkpoint
 
 
 def test_a_damaged_shard_is_named_when_dcp_reads_it(tmp_path):
-    """Bytes overwritten inside a shard (same size: verification cannot see it) fail the read naming the file."""
+    """Bytes overwritten inside a shard (same size: only its checksum sees it) fail the read naming the file."""
     path = _checkpoint(tmp_path, 2)
     shard = _shard(path)
     data = bytearray(shard.read_bytes())
@@ -161,7 +161,7 @@ def test_a_damaged_shard_is_named_when_dcp_reads_it(tmp_path):
         DCPCheckpointIO.load_sharded(state, path)
     from kempnerforge.checkpoint.verify import describe_failure
 
-    assert f"{shard} cannot be read" in describe_failure(caught.value)
+    assert f"{shard} fails its checksum" in describe_failure(caught.value)
 
 
 def test_every_checkpoint_bad_means_no_choice_but_rejections(tmp_path):
