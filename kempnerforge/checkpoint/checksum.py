@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; the fallback k
 
 __all__ = [
     "ALGORITHM",
+    "COMPLETE_LINE",
     "ChecksumFileSystemWriter",
     "HashingStream",
     "Manifests",
@@ -93,9 +94,19 @@ def manifest_file(path: Path, rank: int) -> Path:
     return path / f"checksums_{rank:05d}.json"
 
 
+#: The line of a checkpoint's ``COMPLETE`` marker that says its files carry checksums.
+COMPLETE_LINE = f"checksums={ALGORITHM}"
+
+
 def has_checksums(path: Path) -> bool:
-    """True when checkpoint ``path`` records checksums (rank 0 always writes a record when it does)."""
-    return manifest_file(path, 0).is_file()
+    """True when checkpoint ``path`` records checksums: its ``COMPLETE`` marker says so, or rank 0's record is there
+    (a deleted record then reads as missing, never as a checkpoint from before checksums)."""
+    if manifest_file(path, 0).is_file():
+        return True
+    try:
+        return "checksums=" in (path / "COMPLETE").read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 class HashingStream(io.RawIOBase):
@@ -301,7 +312,9 @@ class Manifests:
             raise self._corrupt(file, f"has {have} bytes; {entry['size']} were written")
         size, digest = file_digest(file, body["algorithm"])
         if digest != entry["digest"] or size != entry["size"]:
-            raise self._corrupt(file, f"fails its checksum ({body['algorithm']} {digest}, written as {entry['digest']})")
+            raise self._corrupt(
+                file, f"fails its checksum ({body['algorithm']} {digest}, written as {entry['digest']})"
+            )
 
     def check_all(self, world_size: int) -> list[CorruptCheckpointError]:
         """Check every file that the records of ranks ``0 .. world_size - 1`` name (``kforge check-ckpt``).

@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from typing_extensions import override
 
 from kempnerforge.checkpoint.checksum import (
+    COMPLETE_LINE,
     ChecksumFileSystemWriter,
     Manifests,
     Record,
@@ -279,7 +280,7 @@ class DCPCheckpointIO(CheckpointIO):
     @staticmethod
     def _mark_complete(tmp: Path, path: Path) -> None:
         """Rank 0: marker, rename, ``latest`` (in this order: a crash in between never moves ``latest``)."""
-        (tmp / COMPLETE_FILE).write_text(f"world_size={_world()}\n")
+        (tmp / COMPLETE_FILE).write_text(f"world_size={_world()}\n{COMPLETE_LINE}\n")
         if path.exists():
             delete_checkpoint(path)  # an older save of the same step (a run redoing steps after a resume)
         os.replace(tmp, path)

@@ -25,7 +25,6 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
-
 from typing_extensions import override
 
 from kempnerforge.checkpoint.checksum import Manifests

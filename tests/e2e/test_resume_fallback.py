@@ -98,3 +98,177 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(kind, tmp_path
     assert sorted(resumed) == list(range(4, STEPS)), resumed
     assert resumed == {s: expected[s] for s in range(4, STEPS)}  # exact: fp32 CPU, same shards, RNG and data
     assert (ckpt / "latest").read_text().strip() == f"step={STEPS:06d}.ckpt"
+
+
+# Issue 28, check 4: twenty ways a checkpoint's files go bad. Each function damages one copy of the step-6
+# checkpoint and returns the file a warning must name.
+def _entry(ckpt: Path, rank: int, optimizer: bool, suffix: str = "") -> tuple[Path, int, int]:
+    """(shard file, byte offset, length) of one model weight (or optimizer state) tensor stored in rank ``rank``'s shard."""
+    storage = FileSystemReader(ckpt).read_metadata().storage_data
+    for index, info in storage.items():
+        is_opt = index.fqn.startswith("optimizer_0.state.")
+        if is_opt == optimizer and info.relative_path == _shard(ckpt, rank).name and index.fqn.endswith(suffix):
+            if info.length >= 64:
+                return ckpt / info.relative_path, info.offset, info.length
+    raise AssertionError(f"no {'optimizer' if optimizer else 'model'} entry in rank {rank}'s shard of {ckpt}")
+
+
+def _poke(file: Path, offset: int, data: bytes) -> Path:
+    raw = bytearray(file.read_bytes())
+    raw[offset : offset + len(data)] = data
+    file.write_bytes(bytes(raw))
+    return file
+
+
+def _weight_bytes(ckpt: Path, rank: int) -> Path:
+    file, offset, length = _entry(ckpt, rank, optimizer=False)
+    return _poke(file, offset + length // 2, os.urandom(16))
+
+
+def _flip_one_bit(ckpt: Path) -> Path:
+    file, offset, _ = _entry(ckpt, 0, optimizer=False)
+    byte = file.read_bytes()[offset + 3]
+    return _poke(file, offset + 3, bytes([byte ^ 0x01]))  # one mantissa bit of one weight
+
+
+def _optimizer_bytes(ckpt: Path, rank: int, suffix: str) -> Path:
+    file, offset, length = _entry(ckpt, rank, optimizer=True, suffix=suffix)
+    return _poke(file, offset + length // 2, os.urandom(16))
+
+
+def _swap(a: Path, b: Path) -> tuple[Path, Path]:
+    """Swap two files; either one may be named (the first one checked is)."""
+    tmp = a.with_name(a.name + ".swap")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+    return a, b
+
+
+def _bytes_at_end(file: Path) -> Path:
+    data = bytearray(file.read_bytes())
+    data[-60:-40] = os.urandom(20)
+    file.write_bytes(bytes(data))
+    return file
+
+
+def _damage_record(ckpt: Path, rank: int) -> Path:
+    file = ckpt / f"checksums_{rank:05d}.json"
+    body = yaml.safe_load(file.read_text())
+    name = sorted(body["files"])[0]
+    body["files"][name]["digest"] = "0" * len(body["files"][name]["digest"])
+    file.write_text(yaml.safe_dump(body))
+    return file
+
+
+def _stale_shard(ckpt: Path) -> Path:
+    """Rank 1's shard replaced by rank 1's shard of the step-4 checkpoint (an older file, the same size)."""
+    shutil.copyfile(ckpt.parent / "step=000004.ckpt" / _shard(ckpt, 1).name, _shard(ckpt, 1))
+    return _shard(ckpt, 1)
+
+
+TWENTY = {
+    "weight_bytes_rank0": lambda c: _weight_bytes(c, 0),
+    "weight_bytes_rank1": lambda c: _weight_bytes(c, 1),
+    "one_weight_bit": _flip_one_bit,
+    "exp_avg_bytes_rank0": lambda c: _optimizer_bytes(c, 0, "exp_avg"),
+    "exp_avg_sq_bytes_rank1": lambda c: _optimizer_bytes(c, 1, "exp_avg_sq"),
+    "truncated_shard_rank0": lambda c: _truncate(_shard(c, 0), 300),
+    "truncated_shard_rank1_by_one_byte": lambda c: _truncate(_shard(c, 1), _shard(c, 1).stat().st_size - 1),
+    "grown_shard": lambda c: (_shard(c, 0).open("ab").write(b"\0" * 8), _shard(c, 0))[1],
+    "deleted_shard_rank1": lambda c: (_shard(c, 1).unlink(), _shard(c, 1))[1],
+    "shards_swapped_between_ranks": lambda c: _swap(_shard(c, 0), _shard(c, 1)),
+    "stale_shard_from_older_checkpoint": _stale_shard,
+    "rank_files_swapped": lambda c: _swap(c / "rank_00000.pt", c / "rank_00001.pt"),
+    "rank1_loop_state_bytes": lambda c: _bytes_at_end(c / "rank_00001.pt"),
+    "rank0_state_truncated": lambda c: _truncate(c / "rank_00000.pt", 100),
+    "meta_loop_state_bytes": lambda c: _bytes_at_end(c / "meta.pt"),
+    "meta_truncated": lambda c: _truncate(c / "meta.pt", 50),
+    "dcp_metadata_bytes": lambda c: _bytes_at_end(c / ".metadata"),
+    "dcp_metadata_truncated": lambda c: _truncate(c / ".metadata", 40),
+    "checksum_record_rank1_edited": lambda c: _damage_record(c, 1),
+    "checksum_record_rank0_deleted": lambda c: ((c / "checksums_00000.json").unlink(), c / "checksums_00000.json")[1],
+}
+
+
+@pytest.fixture(scope="module")
+def twenty_bad(reference, tmp_path_factory) -> tuple[Path, dict[str, tuple[Path, tuple[Path, ...]]]]:
+    """A checkpoint folder holding the reference's intact steps 2, 4 and 6, then twenty newer damaged copies of step 6
+    (one per corruption, newest first in resume order); kind -> (its checkpoint, the damaged files: any may be named)."""
+    _, saved = reference
+    folder = tmp_path_factory.mktemp("twenty") / "ckpt"
+    shutil.copytree(saved, folder)
+    shutil.rmtree(folder / f"step={STEPS:06d}.ckpt")
+    base = folder / "step=000006.ckpt"
+    bad: dict[str, tuple[Path, Path]] = {}
+    for i, (kind, damage) in enumerate(TWENTY.items()):
+        copy = folder / f"step=000006-{i:02d}-{kind}.ckpt"
+        shutil.copytree(base, copy)
+        damaged = damage(copy)
+        bad[kind] = (copy, damaged if isinstance(damaged, tuple) else (damaged,))
+        os.utime(copy, (1e9 + 10 * i, 1e9 + 10 * i))
+    for old, stamp in (("step=000002.ckpt", 1e8), ("step=000004.ckpt", 2e8), ("step=000006.ckpt", 3e8)):
+        os.utime(folder / old, (stamp, stamp))
+    (folder / "latest").write_text(f"{copy.name}\n")
+    return folder, bad
+
+
+def test_check_ckpt_names_every_one_of_twenty_damaged_files_and_passes_the_intact(twenty_bad, capsys):
+    from kempnerforge.tools.check_ckpt import check_ckpt
+
+    folder, bad = twenty_bad
+    assert check_ckpt(folder) == 2
+    out = capsys.readouterr().out
+    for kind, (ckpt, files) in bad.items():
+        assert f"BAD {ckpt}\n" in out, kind
+        assert any(f"  {file}: " in out for file in files), (kind, out[-3000:])
+    for intact in ("step=000002.ckpt", "step=000004.ckpt", "step=000006.ckpt"):
+        assert f"OK {folder / intact}\n" in out
+    assert check_ckpt(folder / "step=000006.ckpt") == 0
+
+
+@pytest.mark.parametrize("kind", ["weight_bytes_rank1", "exp_avg_bytes_rank0", "shards_swapped_between_ranks"])
+def test_eval_generate_and_an_explicit_resume_refuse_a_damaged_checkpoint_naming_the_file(
+    kind, twenty_bad, shakespeare_tokens, tmp_path
+):
+    from tests.conftest import GPT2_TOKENIZER as tokenizer
+    from tests.e2e.inprocess import kforge_in_process
+
+    _, bad = twenty_bad
+    ckpt, files = bad[kind]
+    cfg = _config(tmp_path, shakespeare_tokens)
+    one_rank = yaml.safe_load(cfg.read_text())
+    one_rank["trainer"]["devices"] = 1  # in this process; rank 0 then reads every shard
+    cfg.write_text(yaml.safe_dump(one_rank))
+    for args in (
+        ["eval", "--ckpt", str(ckpt), "--data_dir", str(shakespeare_tokens)],
+        ["generate", "--ckpt", str(ckpt), "--tokenizer", str(tokenizer), "--prompt", "To be", "--max_new_tokens", "2"],
+        ["fit", "--config", str(cfg), "--ckpt_path", str(ckpt)],
+    ):
+        proc = kforge_in_process(*args)
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("kforge: error:")]
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert len(lines) == 1 and any(str(f) in lines[0] for f in files), proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_auto_resume_skips_twenty_damaged_checkpoints_naming_each_file_and_resumes_the_intact_one(
+    twenty_bad, reference, tmp_path, shakespeare_tokens
+):
+    expected, _ = reference
+    folder, bad = twenty_bad
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(folder, ckpt)
+    cfg = _config(tmp_path, shakespeare_tokens)
+    text = _fit(cfg)
+    for kind, (copy, files) in bad.items():
+        moved = [str(ckpt / copy.name / file.relative_to(copy)) for file in files]
+        warned = [
+            line
+            for line in text.splitlines()
+            if "Auto-resume:" in line and str(ckpt / copy.name) in line and "resuming from" not in line
+        ]
+        assert warned and any(m in warned[0] for m in moved), (kind, "\n".join(warned) or text[-3000:])
+    assert f"Auto-resume: resuming from {ckpt / 'step=000006.ckpt'}." in text, text[-4000:]
+    resumed = losses(tmp_path)
+    assert resumed == {s: expected[s] for s in range(6, STEPS)}

@@ -123,7 +123,10 @@ def _shard(path: Path) -> Path:
 CORRUPTIONS = {
     "truncated_shard": (lambda p: _shard(p).write_bytes(_shard(p).read_bytes()[:100]), "distcp is truncated"),
     "deleted_shard": (lambda p: _shard(p).unlink(), "distcp is missing"),
-    "truncated_meta": (lambda p: (p / "meta.pt").write_bytes((p / "meta.pt").read_bytes()[:30]), "meta.pt has 30 bytes"),
+    "truncated_meta": (
+        lambda p: (p / "meta.pt").write_bytes((p / "meta.pt").read_bytes()[:30]),
+        "meta.pt has 30 bytes",
+    ),
     "deleted_rank_file": (lambda p: (p / "rank_00000.pt").unlink(), "rank_00000.pt is missing"),
     "truncated_rank_file": (
         lambda p: (p / "rank_00000.pt").write_bytes((p / "rank_00000.pt").read_bytes()[:-40]),
