@@ -173,3 +173,46 @@ def test_every_checkpoint_bad_means_no_choice_but_rejections(tmp_path):
     auto = AutoResume(tmp_path)
     assert auto.choose() is None and list(auto.rejected) == [only]
     assert AutoResume(tmp_path / "none").choose() is None and AutoResume(tmp_path / "none").rejected == {}
+
+
+def test_binary_garbage_in_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, caplog, capsys):
+    from kempnerforge.tools.check_ckpt import check_ckpt
+
+    old, new = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
+    (tmp_path / LATEST_FILE).write_bytes(b"\xff\xfe\x00garbage\x81")
+    with caplog.at_level("WARNING"):
+        assert find_resume_checkpoint(tmp_path, verify=True) == new
+    assert f"{tmp_path / LATEST_FILE} is damaged" in caplog.text and "newest complete checkpoint instead" in caplog.text
+    assert check_ckpt(tmp_path) == 2
+    out = capsys.readouterr().out
+    assert f"BAD {tmp_path / LATEST_FILE}" in out and f"OK {old}" in out and f"OK {new}" in out
+
+
+def test_a_checkpoint_from_before_checksums_is_unverified_but_loads(tmp_path, capsys):
+    from kempnerforge.tools.check_ckpt import check_ckpt
+
+    path = _checkpoint(tmp_path, 2)
+    for record in path.glob("checksums_*.json"):
+        record.unlink()
+    (path / "COMPLETE").write_text("world_size=1\n")  # the marker an older kempnerforge wrote
+    assert check_ckpt(path) == 0
+    assert capsys.readouterr().out.startswith(f"UNVERIFIED {path}")
+    state = {"state_dict": {"w": torch.zeros(1024), "b": torch.zeros(7)}}
+    DCPCheckpointIO.load_sharded(state, path)
+    assert torch.equal(state["state_dict"]["w"], torch.arange(1024.0))
+
+
+def test_a_deleted_checksum_record_is_a_bad_checkpoint_not_an_old_one(tmp_path):
+    path = _checkpoint(tmp_path, 2)
+    (path / "checksums_00000.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match="checksums_00000.json is missing"):
+        verify_checkpoint(path)
+
+
+def test_check_ckpt_refuses_a_path_without_checkpoints_in_one_line(tmp_path, capsys):
+    from kempnerforge.tools.check_ckpt import check_ckpt
+
+    assert check_ckpt(tmp_path / "nope") == 2
+    assert capsys.readouterr().err == f"kforge: error: check-ckpt: {tmp_path / 'nope'} does not exist\n"
+    assert check_ckpt(tmp_path) == 2
+    assert "holds no checkpoint" in capsys.readouterr().err
