@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
@@ -53,6 +53,7 @@ from kempnerforge.training.optimizers import (
     check_optimizer_schedule,
     set_schedule_free_mode,
 )
+from kempnerforge.training.resume_overrides import apply_optimizer_overrides
 
 
 def _has_trainer(module: LightningModule) -> bool:
@@ -472,8 +473,18 @@ class CausalLM(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore ``tokens_seen``."""
+        """Restore ``tokens_seen``; apply a ``model.optimizer`` lr / betas / weight decay / eps that differs from the
+        checkpoint's over the restored optimizer and schedule, one line each
+        (:func:`~kempnerforge.training.resume_overrides.apply_optimizer_overrides`)."""
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        if not _has_trainer(self) or not self.trainer.optimizers:
+            return
+        saved = (checkpoint.get("hyper_parameters") or {}).get("optimizer")
+        lines = apply_optimizer_overrides(
+            saved, asdict(self.optimizer_config), self.trainer.optimizers, checkpoint.get("lr_schedulers")
+        )
+        for line in lines:
+            rank_zero_info(line)
 
 
 class VisionLanguage(CausalLM):

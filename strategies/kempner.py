@@ -34,7 +34,7 @@ from kempnerforge.checkpoint.sharded_state import (
     model_state,
     optimizer_state,
 )
-from kempnerforge.checkpoint.train_state import merge_rank_state, split_rank_state
+from kempnerforge.checkpoint.train_state import check_accumulation, merge_rank_state, split_rank_state
 from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure, verify_checkpoint
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
 from kempnerforge.parallel.compile import apply_compile, validate_compile
@@ -508,6 +508,8 @@ class KempnerStrategy(ModelParallelStrategy):
         assert self.parallel_mesh is not None
         dp = self.parallel_mesh.dp
         checkpoint["rank_state"] = split_rank_state(checkpoint, dp.get_local_rank(), dp.size())
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        checkpoint["rank_state"]["accumulate_grad_batches"] = getattr(trainer, "accumulate_grad_batches", None)
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
     @override
@@ -591,9 +593,12 @@ class KempnerStrategy(ModelParallelStrategy):
         dp = self.parallel_mesh.dp
         # A position saved under another dp degree is remapped exactly; the global batch must be kept.
         datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+        rank_state = meta.pop("rank_state")
+        trainer = self.lightning_module.trainer
+        check_accumulation((rank_state or {}).get("accumulate_grad_batches"), trainer.accumulate_grad_batches)
         merge_rank_state(
             meta,
-            meta.pop("rank_state"),
+            rank_state,
             dp.get_local_rank(),
             dp.size(),
             getattr(datamodule, "micro_batch_size", None),

@@ -124,26 +124,53 @@ def remap_loader_state(state: Any, saved_dp: int, dp: int, micro_batch_size: int
                 f"{yielded} samples per rank x {saved_dp} ranks = {consumed} samples of the epoch, not divisible "
                 f"by dp={dp}. Resume with dp_replicate*dp_shard={saved_dp}, or a dp that divides {consumed}."
             )
-        if micro_batch_size is not None and batches:
-            saved_batch = yielded // batches
-            global_batch = saved_batch * saved_dp
-            if global_batch != micro_batch_size * dp:
-                fix = (
-                    f"Set micro_batch_size={global_batch // dp}."
-                    if global_batch % dp == 0
-                    else f"No micro_batch_size does at dp={dp}; use a dp that divides {global_batch}."
-                )
-                raise DataParallelMismatchError(
-                    f"Resuming at dp={dp} from a checkpoint saved at dp={saved_dp} must keep the global batch: "
-                    f"saved micro_batch_size*dp = {saved_batch}*{saved_dp} = {global_batch}, this run "
-                    f"has {micro_batch_size}*{dp} = {micro_batch_size * dp}. {fix}"
-                )
+        _check_global_batch(yielded, batches, saved_dp, dp, micro_batch_size)
         new = consumed // dp
         if "sampler_state" in iter_state:
             sampler["yielded"] = new
         if "samples_yielded" in iter_state:
             iter_state["samples_yielded"] = new
     return state
+
+
+def _check_global_batch(
+    yielded: int, batches: int | None, saved_dp: int, dp: int, micro_batch_size: int | None
+) -> None:
+    """Refuse a resume whose global batch (``micro_batch_size * dp``) differs from the one the position was saved with.
+
+    Raises:
+        DataParallelMismatchError: naming ``data.micro_batch_size`` and the value that keeps the global batch.
+    """
+    if micro_batch_size is None or not batches:
+        return
+    saved_batch = yielded // batches
+    global_batch = saved_batch * saved_dp
+    if global_batch == micro_batch_size * dp:
+        return
+    fix = (
+        f"Set data.micro_batch_size={global_batch // dp}"
+        if global_batch % dp == 0
+        else f"No data.micro_batch_size does at dp={dp}; use a dp that divides {global_batch}"
+    )
+    raise DataParallelMismatchError(
+        f"data.micro_batch_size: resuming must keep the global batch the checkpoint was trained with: saved "
+        f"micro_batch_size*dp = {saved_batch}*{saved_dp} = {global_batch}, this run has {micro_batch_size}*{dp} = "
+        f"{micro_batch_size * dp}. {fix}, or start fresh with --ckpt_path null."
+    )
+
+
+def check_accumulation(saved: int | None, now: int | None) -> None:
+    """Refuse a resume under another ``trainer.accumulate_grad_batches`` (another global batch per optimizer step).
+
+    Raises:
+        DataParallelMismatchError: naming the field, the saved and the new value (nothing when either is unknown).
+    """
+    if saved is not None and now is not None and int(saved) != int(now):
+        raise DataParallelMismatchError(
+            f"trainer.accumulate_grad_batches: the checkpoint was trained with {saved} micro-batches per optimizer "
+            f"step, this run has {now}: the global batch would change. Keep {saved}, or start fresh with "
+            "--ckpt_path null."
+        )
 
 
 def merge_rank_state(
@@ -168,8 +195,9 @@ def merge_rank_state(
         micro_batch_size: this run's per-rank micro-batch, checked when the degree changed.
 
     Raises:
-        DataParallelMismatchError: no per-rank state at all, or a position that cannot be remapped
-            exactly (see :func:`remap_loader_state`); never a silent restart of the data.
+        DataParallelMismatchError: no per-rank state at all, a position that cannot be remapped
+            exactly (see :func:`remap_loader_state`), or a changed global batch (``micro_batch_size * dp``, at
+            any degree); never a silent restart of the data.
     """
     if rank_state is None:
         raise DataParallelMismatchError(
@@ -181,6 +209,11 @@ def merge_rank_state(
     loader = rank_state.get("dataloader")
     if loader is not None and saved != dp_size:
         loader = remap_loader_state(loader, int(saved), dp_size, micro_batch_size)
+    elif loader is not None:  # the same degree: the position holds as saved, but the global batch must too
+        for iter_state, batches in _sampler_states(loader):
+            sampler = iter_state.get("sampler_state") or {}
+            yielded = int(sampler.get("yielded", iter_state.get("samples_yielded", 0)))
+            _check_global_batch(yielded, batches, dp_size, dp_size, micro_batch_size)
     restore_rng_state(rank_state["rng"])
     parent = _loader_parent(checkpoint)
     if parent is not None and loader is not None:

@@ -64,15 +64,15 @@ def start(cfg: Path, env: dict[str, str] | None = None, log: Path | None = None)
     )
 
 
-def losses(tmp: Path) -> dict[int, float]:
-    """``train/loss`` by step over every CSVLogger version in order (a resumed run overwrites the steps it redid)."""
+def losses(tmp: Path, metric: str = "train/loss") -> dict[int, float]:
+    """``metric`` by step over every CSVLogger version in order (a resumed run overwrites the steps it redid)."""
     found: dict[int, float] = {}
     for version in sorted((tmp / "runs" / "t").glob("version_*"), key=lambda p: int(p.name.split("_")[1])):
         metrics = version / "metrics.csv"
         if metrics.is_file():
             for row in csv.DictReader(metrics.open()):
-                if row.get("train/loss"):
-                    found[int(row["step"])] = float(row["train/loss"])
+                if row.get(metric):
+                    found[int(row["step"])] = float(row[metric])
     return found
 
 

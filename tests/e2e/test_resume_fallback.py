@@ -272,3 +272,48 @@ def test_auto_resume_skips_twenty_damaged_checkpoints_naming_each_file_and_resum
     assert f"Auto-resume: resuming from {ckpt / 'step=000006.ckpt'}." in text, text[-4000:]
     resumed = losses(tmp_path)
     assert resumed == {s: expected[s] for s in range(6, STEPS)}
+
+
+# Issue 28, check 5: what a resume may change (optimizer hyperparameters, applied and said) and what it may not (the
+# global batch: one line, exit 2).
+def _resume(tmp_path: Path, reference, shakespeare_tokens, *overrides: str):
+    _, saved = reference
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    for step in (6, 8):
+        shutil.rmtree(ckpt / f"step={step:06d}.ckpt")
+    (ckpt / "latest").write_text("step=000004.ckpt\n")
+    cfg = _config(tmp_path, shakespeare_tokens)
+    return run_ranks(2, SCRIPT, ["fit", "--config", str(cfg), *overrides], ENV, timeout=300)
+
+
+def test_a_new_lr_and_weight_decay_on_resume_are_applied_and_logged(tmp_path, shakespeare_tokens, reference):
+    _, saved = reference
+    reference_lr = losses(saved.parent, "train/lr")
+    proc = _resume(
+        tmp_path, reference, shakespeare_tokens, "--model.optimizer.lr=1e-4", "--model.optimizer.weight_decay=0.01"
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert text.count("model.optimizer.lr: checkpoint 0.003, now 0.0001 (applied)") == 1, text[-4000:]
+    assert text.count("model.optimizer.weight_decay: checkpoint 0.1, now 0.01 (applied)") == 1, text[-4000:]
+    resumed_lr = losses(tmp_path, "train/lr")
+    assert sorted(resumed_lr) == list(range(4, STEPS))
+    for step in range(4, STEPS):  # the same place on the warmup / cosine curve, under the new peak
+        assert resumed_lr[step] == pytest.approx(reference_lr[step] * (1e-4 / 3e-3), rel=1e-9), step
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("--data.micro_batch_size=4", "data.micro_batch_size"),
+        ("--trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches"),
+    ],
+)
+def test_a_changed_global_batch_on_resume_is_one_line_exit_2(tmp_path, shakespeare_tokens, reference, override, field):
+    proc = _resume(tmp_path, reference, shakespeare_tokens, override)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("kforge: error:")]
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert lines and all(line.startswith(f"kforge: error: {field}: ") for line in lines), proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert not (tmp_path / "ckpt" / "step=000006.ckpt").exists()  # nothing trained, nothing written

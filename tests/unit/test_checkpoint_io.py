@@ -153,10 +153,16 @@ def test_remap_refuses_indivisible_positions_and_a_changed_global_batch():
     ckpt = _checkpoint(_loader_state(batches=5, micro_batch=4))
     with pytest.raises(
         DataParallelMismatchError,
-        match=r"must keep the global batch: saved micro_batch_size\*dp = 4\*2 = 8, this run has 4\*1 = 4. "
-        r"Set micro_batch_size=8",
+        match=r"^data.micro_batch_size: .* must keep the global batch .*: saved micro_batch_size\*dp = 4\*2 = 8, "
+        r"this run has 4\*1 = 4. Set data.micro_batch_size=8",
     ):
         merge_rank_state(ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=1, micro_batch_size=4)
+    ckpt = _checkpoint(_loader_state(batches=5, micro_batch=4))
+    with pytest.raises(
+        DataParallelMismatchError, match=r"saved micro_batch_size\*dp = 4\*2 = 8, this run has 2\*2 = 4"
+    ):
+        # the same degree, another micro-batch: refused too (it once resumed silently)
+        merge_rank_state(ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=2, micro_batch_size=2)
 
 
 @pytest.fixture
