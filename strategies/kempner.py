@@ -59,12 +59,15 @@ from kempnerforge.parallel.pipeline import validate_pipeline_options, validate_p
 from kempnerforge.parallel.pipeline_runner import PipelineRunner, update_validation_metrics
 from kempnerforge.parallel.pipeline_tied import tied_embedding_group
 from kempnerforge.parallel.precision import (
+    TrueHalfInputs,
     apply_matmul_precision,
+    cast_parameters_,
     check_matmul_precision,
     check_param_dtype_name,
     describe_precision,
     plugin_precision_to_param,
     resolve_param_dtype,
+    true_half_dtype,
 )
 from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
 from kempnerforge.resilience.auto_resume import AutoResume
@@ -223,6 +226,7 @@ class KempnerStrategy(ModelParallelStrategy):
         check_param_dtype_name(mixed_precision_param)
         check_matmul_precision(float32_matmul_precision)
         self.mixed_precision_param = mixed_precision_param  # trainer.precision=bf16-mixed may set "bfloat16"
+        self.true_half: torch.dtype | None = None  # trainer.precision=bf16-true / 16-true: the parameters' dtype
         self.reduce_dtype = resolve_dtype(mixed_precision_reduce, "mixed_precision_reduce")
         self.float32_matmul_precision = float32_matmul_precision
         self.reshard_after_forward = reshard_after_forward
@@ -267,18 +271,30 @@ class KempnerStrategy(ModelParallelStrategy):
         # refused (kempnerforge.parallel.precision), so autocast never runs on top of sharded fp32 parameters.
         if plugin is not None:
             self.mixed_precision_param = plugin_precision_to_param(plugin, self.mixed_precision_param)
-            plugin = Precision()
+            name = getattr(plugin, "precision", None)
+            self.true_half = true_half_dtype(name) if type(plugin) is not Precision else None
+            if self.true_half is not None and self.float8_recipe is not None:
+                raise ValueError(
+                    f"trainer.precision={name!r} cannot be combined with float8_recipe (Float8Linear keeps fp32 "
+                    "weights and casts them itself); use trainer.precision=bf16-mixed with FP8."
+                )
+            plugin = TrueHalfInputs(name) if self.true_half is not None else Precision()
         self._precision_plugin = plugin
 
     @property
     def param_dtype(self) -> torch.dtype:
-        """FSDP2 compute dtype (``mixed_precision_param`` resolved on this strategy's device: ``auto`` is bf16 on CUDA)."""
+        """FSDP2 compute dtype (``mixed_precision_param`` resolved on this strategy's device: ``auto`` is bf16 on CUDA;
+        under ``bf16-true`` / ``16-true`` the parameters' own dtype)."""
+        if self.true_half is not None:
+            return self.true_half
         return resolve_param_dtype(self.mixed_precision_param, self.root_device.type)
 
     def describe_precision(self) -> str:
         """The precision line logged with the mesh (compute, master weights, reduction, fp32 matmuls)."""
         device = self.root_device.type
-        return describe_precision(self.param_dtype, self.reduce_dtype, self.float32_matmul_precision, device)
+        return describe_precision(
+            self.param_dtype, self.reduce_dtype, self.float32_matmul_precision, device, self.true_half
+        )
 
     # -- environment and mesh -------------------------------------------------------------------
 
@@ -412,6 +428,9 @@ class KempnerStrategy(ModelParallelStrategy):
         assert self.parallel_mesh is not None
         if self.pipeline is not None:
             self.pipeline.prune(model)  # on meta: this rank keeps only its stages' modules
+        # bf16-true / 16-true first: every transform after it (TP's DTensors, FSDP2's shards) keeps the 16-bit storage.
+        if self.true_half is not None:
+            cast_parameters_(model, self.true_half)
         # TP first: its plan matches raw nn.Linear / nn.Embedding modules by FQN (any wrapper hides them). With FP8
         # the Linears it shards become Float8Linear just before (torchao's float8 styles need them; same FQNs).
         if self.parallel_mesh.dims.tp > 1:

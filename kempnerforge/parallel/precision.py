@@ -6,18 +6,29 @@ Micikevicius et al., "Mixed Precision Training", arXiv:1710.03740, minus the los
 need), and fp32 matmuls use TF32 (``torch.set_float32_matmul_precision("high")``). CPU keeps fp32.
 
 Lightning's ``trainer.precision`` is mapped onto that policy here instead of adding a second
-mechanism: ``32-true`` (the default) leaves the strategy's ``mixed_precision_param`` in charge,
-``bf16-mixed`` means the same as ``mixed_precision_param=bfloat16`` (no ``torch.autocast`` on top of
-the sharded fp32 parameters), and every other value is refused, because each would either cast the
-sharded fp32 master weights to a 16-bit type (``bf16-true``, ``16-true``) or needs machinery FSDP2
-training here does not have (``16-mixed``: a sharded gradient scaler; ``64-true``; Transformer Engine:
-use ``float8_recipe``).
+mechanism, value for value what Lightning's own ``ModelParallelStrategy`` accepts:
+
+- ``32-true`` (the default) leaves the strategy's ``mixed_precision_param`` in charge;
+- ``bf16-mixed`` means the same as ``mixed_precision_param=bfloat16`` (no ``torch.autocast`` on top of the sharded
+  fp32 parameters);
+- ``bf16-true`` / ``16-true``: the parameters themselves (so their gradients and optimizer states) are bf16 / fp16,
+  as Lightning's ``HalfPrecision`` makes them. They are cast on the meta device before the chain
+  (:func:`cast_parameters_`), so FSDP2 shards 16-bit storage and computes in it; buffers (RoPE tables) stay fp32,
+  floating inputs are cast (:class:`TrueHalfInputs`), gradients are still reduced in ``mixed_precision_reduce``.
+  No fp32 master copy exists: updates smaller than the 16-bit spacing are lost (bf16: 8 bits of mantissa), which is
+  why the mixed policy is the default. No loss scaling for fp16 (as Lightning's ``16-true``).
+
+Refused, each in one line: ``16-mixed`` (a sharded gradient scaler FSDP2 training here does not have), ``64-true``,
+Transformer Engine (use ``float8_recipe``), and contradictions with ``mixed_precision_param``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning_utilities.core.apply_func import apply_to_collection
 
 #: Values of the strategy's ``mixed_precision_param``; ``auto`` is bf16 on CUDA and fp32 elsewhere.
 PARAM_DTYPE_CHOICES: tuple[str, ...] = ("auto", "bfloat16", "float32")
@@ -29,6 +40,46 @@ MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
 _PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
 
 _FIELD = "trainer.strategy.init_args.mixed_precision_param"
+
+#: ``trainer.precision`` values whose parameters are stored in a 16-bit dtype.
+TRUE_HALF: dict[str, torch.dtype] = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+def true_half_dtype(precision: object) -> torch.dtype | None:
+    """The parameter dtype of ``trainer.precision=precision`` (bf16 / fp16 for ``bf16-true`` / ``16-true``; None for
+    every precision whose parameters stay fp32)."""
+    return TRUE_HALF.get(_PRECISION_ALIASES.get(str(precision), str(precision)))
+
+
+class TrueHalfInputs(Precision):
+    """Lightning's plain precision plugin plus ``HalfPrecision``'s input cast: floating tensors of a batch (pixel
+    values) become ``dtype`` before the step, as under Lightning's ``bf16-true`` / ``16-true``; integer tensors
+    (token ids, labels) are untouched. The module itself is cast by :func:`cast_parameters_`, not by the plugin.
+
+    Args:
+        precision: ``"bf16-true"`` or ``"16-true"``.
+    """
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+        self.dtype = TRUE_HALF[precision]
+
+    def convert_input(self, data: Any) -> Any:
+        """``data`` with every floating tensor cast to :attr:`dtype`."""
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+
+
+def cast_parameters_(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast every floating parameter of ``model`` to ``dtype`` in place, keeping shared (tied) parameters shared and
+    buffers as they are; meant for the meta device, before the parallel chain (nothing is allocated there)."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in done:
+                done[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            module._parameters[name] = done[id(param)]
 
 
 def resolve_param_dtype(name: str, device_type: str) -> torch.dtype:
@@ -77,10 +128,12 @@ def trainer_precision_to_param(precision: object, mixed_precision_param: str) ->
         mixed_precision_param: the strategy's setting (:data:`PARAM_DTYPE_CHOICES`).
 
     Returns:
-        ``mixed_precision_param`` for ``32-true``; ``"bfloat16"`` for ``bf16-mixed``.
+        ``mixed_precision_param`` for ``32-true``, ``bf16-true`` and ``16-true`` (their dtype is
+        :func:`true_half_dtype`'s); ``"bfloat16"`` for ``bf16-mixed``.
 
     Raises:
-        ValueError: ``bf16-mixed`` with ``mixed_precision_param="float32"`` (contradictory), or any other
+        ValueError: ``bf16-mixed`` with ``mixed_precision_param="float32"``, a true half precision with a
+            ``mixed_precision_param`` other than ``auto`` (or ``bfloat16`` for ``bf16-true``), or any other
             precision (one line naming ``trainer.strategy.init_args.mixed_precision_param``).
     """
     name = _PRECISION_ALIASES.get(str(precision), str(precision))
@@ -93,6 +146,14 @@ def trainer_precision_to_param(precision: object, mixed_precision_param: str) ->
                 f"{_FIELD}=bfloat16 here; drop one of the two."
             )
         return "bfloat16"
+    if name in TRUE_HALF:
+        allowed = ("auto", "bfloat16") if name == "bf16-true" else ("auto",)
+        if mixed_precision_param not in allowed:
+            raise ValueError(
+                f"trainer.precision={name!r} contradicts {_FIELD}={mixed_precision_param!r}: {name} computes in the "
+                f"parameters' own dtype ({TRUE_HALF[name]}); drop {_FIELD} or the precision."
+            )
+        return mixed_precision_param
     raise ValueError(
         f"trainer.precision={name!r} is not supported by KempnerStrategy: keep trainer.precision=32-true and set "
         f"{_FIELD} (auto: bf16 compute with fp32 master weights and gradient reduction on CUDA, fp32 on CPU; "
@@ -123,10 +184,24 @@ def plugin_precision_to_param(plugin: Precision, mixed_precision_param: str) -> 
     )
 
 
-def describe_precision(param_dtype: torch.dtype, reduce_dtype: torch.dtype, matmul: str, device_type: str) -> str:
-    """One line for the start-up log, next to the mesh: compute, master-weight and reduction dtypes, matmuls."""
-    short = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-    if param_dtype == torch.float32:
+_TRUE_NAME = {dtype: name for name, dtype in TRUE_HALF.items()}
+
+
+def describe_precision(
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    matmul: str,
+    device_type: str,
+    true_half: torch.dtype | None = None,
+) -> str:
+    """One line for the start-up log, next to the mesh: compute, master-weight and reduction dtypes, matmuls
+    (``true_half``: the parameters' own 16-bit dtype under ``bf16-true`` / ``16-true``)."""
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    if true_half is not None:
+        policy = (
+            f"{short[true_half]} compute and weights, no fp32 master copy (trainer.precision={_TRUE_NAME[true_half]})"
+        )
+    elif param_dtype == torch.float32:
         policy = "fp32 compute and weights"
     else:
         policy = f"{short[param_dtype]} compute, fp32 master weights (FSDP2 MixedPrecisionPolicy)"

@@ -3,7 +3,8 @@
 - ``mixed_precision_param=auto``: bf16 on CUDA, fp32 on CPU; the policy line printed with the mesh.
 - A test per ``trainer.precision`` value Lightning accepts: ``32-true`` keeps the strategy's policy,
   ``bf16-mixed`` is the same run as ``mixed_precision_param=bfloat16`` (bit-identical losses, fp32 master
-  weights, no autocast), every other value is refused before any process group exists.
+  weights, no autocast), ``bf16-true`` / ``16-true`` hold 16-bit parameters and optimizer states and train
+  like a plain PyTorch loop on the same 16-bit model; every other value is refused before any process group.
 - ``trainer.gradient_clip_val`` is refused (with TP, with FSDP2, and under a stock strategy) with a message
   naming ``model.grad_clip``, before rendezvous where the strategy is ours.
 """
@@ -31,7 +32,7 @@ from tests.e2e.inprocess import kforge_in_process
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, max_seq_len=16, multiple_of=16)
 FIELD = "trainer.strategy.init_args.mixed_precision_param"
-REFUSED = ["bf16-true", "16-true", "16-mixed", "64-true", "transformer-engine", "transformer-engine-float16"]
+REFUSED = ["16-mixed", "64-true", "transformer-engine", "transformer-engine-float16"]
 
 
 def _trainer(strategy: KempnerStrategy | str = "auto", steps: int = 2, callbacks=(), **kw) -> Trainer:
@@ -112,14 +113,18 @@ def test_bf16_mixed_contradicting_float32_is_refused():
         _trainer(KempnerStrategy(mixed_precision_param="float32"), precision="bf16-mixed")
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
-def test_true_half_precisions_are_refused_by_the_strategy(precision):
-    """bf16-true / 16-true would cast the sharded fp32 master weights: refused when the Trainer is built."""
-    with pytest.raises(
-        ValueError, match=rf"trainer.precision='{precision}' is not supported by KempnerStrategy.*{FIELD}"
-    ):
-        _trainer(KempnerStrategy(), precision=precision)
+@pytest.mark.parametrize(
+    "precision, param", [("bf16-true", "float32"), ("16-true", "bfloat16"), ("16-true", "float32")]
+)
+def test_true_half_contradicting_the_policy_is_refused(precision, param):
+    with pytest.raises(ValueError, match=rf"trainer.precision='{precision}' contradicts {FIELD}='{param}'"):
+        _trainer(KempnerStrategy(mixed_precision_param=param), precision=precision)
     assert not dist.is_initialized()
+
+
+def test_true_half_with_float8_is_refused():
+    with pytest.raises(ValueError, match="cannot be combined with float8_recipe"):
+        _trainer(KempnerStrategy(float8_recipe="tensorwise"), precision="bf16-true")
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "16", "64-true", "transformer-engine", "transformer-engine-float16"])
@@ -146,7 +151,7 @@ class _Probe(Callback):
     (the final norm's output: the default fused head + loss reads the head weight without calling the module)."""
 
     def __init__(self) -> None:
-        self.losses, self.autocast, self.head_input_dtype = [], [], None
+        self.losses, self.autocast, self.head_input_dtype, self.batches = [], [], None, []
 
     def on_train_start(self, trainer, pl_module) -> None:
         def hook(_m, _args, out):
@@ -157,6 +162,7 @@ class _Probe(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        self.batches.append({k: v.clone() for k, v in batch.items()})  # in the sampler's order
 
 
 def _fit(strategy: KempnerStrategy, **kw) -> tuple[_Probe, CausalLM]:
@@ -219,3 +225,46 @@ def test_cli_refuses_gradient_clip_val_in_one_line():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("kforge: error: trainer.gradient_clip_val=0.5 is not supported"), last
     assert "model.grad_clip=0.5" in last
+
+
+def _plain_loop_losses(dtype: torch.dtype, batches: list[dict], steps: int = 2) -> list[float]:
+    """The oracle for bf16-true / 16-true: the same initial model cast to ``dtype`` (buffers kept fp32, as here),
+    plain PyTorch AdamW on its 16-bit parameters with the same schedule, the same batches, no strategy at all."""
+    from kempnerforge.parallel.precision import cast_parameters_
+
+    module = CausalLM(CFG, init_seed=1)
+    module.configure_model()
+    module.model.to_empty(device="cpu")
+    with torch.no_grad():
+        module.model.init_weights(seed=1)
+    cast_parameters_(module.model, dtype)
+    trainer = _trainer(steps=steps)
+    module.trainer = trainer  # configure_optimizers reads max_steps
+    opt_cfg = module.configure_optimizers()
+    optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    losses = []
+    for batch in batches[:steps]:
+        optimizer.zero_grad()
+        logits = module.model(batch["input_ids"]).float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.model.parameters(), module.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+def test_true_half_holds_16_bit_parameters_and_states_and_trains_like_a_plain_16_bit_loop(precision, dtype):
+    probe, module = _fit(KempnerStrategy(), precision=precision)
+    assert all(isinstance(p, DTensor) and p.dtype == dtype for p in module.model.parameters())
+    assert all(b.dtype == torch.float32 for b in module.model.buffers() if b.is_floating_point())  # RoPE tables
+    states = module.trainer.optimizers[0].state.values()
+    assert {v.dtype for st in states for v in st.values() if torch.is_tensor(v) and v.dim() > 0} == {dtype}
+    assert probe.head_input_dtype == dtype and not any(probe.autocast)
+    plain = _plain_loop_losses(dtype, probe.batches)
+    fp32 = _plain_loop_losses(torch.float32, probe.batches)
+    assert probe.losses == pytest.approx(plain, rel=1e-6), (probe.losses, plain)  # measured: 1e-7
+    if dtype == torch.bfloat16:  # bf16's 8-bit mantissa moves the first loss by 1.4e-5 here (fp16's 10 bits: 1e-6)
+        assert probe.losses[0] != pytest.approx(fp32[0], rel=5e-6), (probe.losses, fp32)
