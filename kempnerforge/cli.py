@@ -500,8 +500,29 @@ def main(argv: list[str] | None = None) -> None:
         _RUNNING.reset(token)
         _HELD.reset(held_token)
     status = run_exit_status(cli.trainer)
+    line = already_complete_line(cli.trainer)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
     if status != SUCCESS:
         raise SystemExit(status)
+
+
+def already_complete_line(trainer: Any) -> str | None:
+    """The line for a ``fit`` that resumed a checkpoint already at ``trainer.max_steps`` and trained nothing (global
+    rank 0; None otherwise): which checkpoint, and how to train further without changing the LR curve."""
+    restored = getattr(getattr(trainer, "strategy", None), "restored", None)
+    if restored is None or getattr(trainer, "global_rank", 0) != 0:
+        return None
+    path, step = restored
+    max_steps = getattr(trainer, "max_steps", -1)
+    if step is None or max_steps is None or max_steps < 0 or step < max_steps or trainer.global_step != step:
+        return None
+    return (
+        f"kforge: the run is already complete: {path} is at step {step} and trainer.max_steps={max_steps}, so "
+        f"nothing was trained. To train further, raise --trainer.max_steps and keep the LR schedule with "
+        f"--model.scheduler.total_steps={step} (later steps stay at its final LR), or start fresh with "
+        "--ckpt_path null."
+    )
 
 
 def run_exit_status(trainer: Any) -> int:

@@ -111,6 +111,9 @@ def run_tool(name: str, argv: list[str]) -> None:
         line = error_line(err)
         if "--ckpt" in argv and line.startswith("kforge: error: ckpt_path: "):
             line = "kforge: error: --ckpt: " + line.removeprefix("kforge: error: ckpt_path: ")
+        field = getattr(err, "field", None)
+        if isinstance(field, str) and f"--{field}" in " ".join(argv):  # a library field that is this tool's option
+            line = line.replace(f"kforge: error: {field}: ", f"kforge: error: --{field}: ", 1)
         print(line, file=sys.stderr, flush=True)
         raise SystemExit(2) from err
 

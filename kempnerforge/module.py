@@ -202,10 +202,18 @@ class CausalLM(LightningModule):
         process group exists, :mod:`kempnerforge.preflight`; :meth:`setup` again in ``fit``).
 
         Raises:
-            ValueError: the datamodule's ``seq_len`` exceeds ``config.max_seq_len``.
+            ValueError: the datamodule's ``seq_len`` exceeds ``config.max_seq_len`` (a UserError naming
+                ``data.seq_len`` under ``init_from``, whose folder fixes the ceiling).
         """
         seq_len = getattr(datamodule, "seq_len", None)
         if seq_len is not None and seq_len > self.config.max_seq_len:
+            if getattr(self, "init_from", None) is not None:  # the folder's max_position_embeddings is the ceiling
+                raise UserError(
+                    "data.seq_len",
+                    f"data.seq_len={seq_len} exceeds {self.config.max_seq_len}, the max_position_embeddings of "
+                    f"model.init_from={self.init_from} (its RoPE was trained that far; max_seq_len cannot go beyond "
+                    f"it): use data.seq_len <= {self.config.max_seq_len}.",
+                )
             raise ValueError(
                 f"data.seq_len={seq_len} exceeds model.config.max_seq_len={self.config.max_seq_len}: "
                 "raise max_seq_len (RoPE tables cover max_seq_len positions) or shorten seq_len."

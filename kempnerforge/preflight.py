@@ -15,7 +15,8 @@ configs, the files and the world size the cluster environment already knows (:fu
   (:meth:`KempnerStrategy.check_layout`), the data's lengths against the model (``check_data``);
 - ``model.loss_impl=liger`` on a CUDA accelerator with liger-kernel installed (:func:`check_loss_impl`);
 - the checkpoint folder (``fit``, global rank 0): writable, with room for one checkpoint of the estimated
-  size (:func:`checkpoint_bytes`).
+  size (:func:`checkpoint_bytes`); the loggers' folders and the ``data_dir`` a ``data.source`` is prepared into:
+  writable (:mod:`kempnerforge.data.input_checks`, nothing created).
 
 Each failure raises a :class:`~kempnerforge.errors.UserError` (or the library's typed error), which the CLI
 prints as one line. :func:`warn_bf16_on_cpu` only warns.
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kempnerforge.checkpoint.disk import ensure_writable, existing_parent, format_bytes, free_bytes
+from kempnerforge.data.input_checks import check_source, check_tokenizer, check_writable
 from kempnerforge.errors import PathError, UserError
 from kempnerforge.resilience.rendezvous import WorldSpec, expected_world
 
@@ -78,14 +80,20 @@ def check_paths(module: Any, datamodule: Any) -> None:
             f"{tokenizer} does not exist; give a local tokenizer folder (e.g. data/tokenizers/gpt2): nothing is "
             "downloaded",
         )
+    if isinstance(tokenizer, str):
+        check_tokenizer(tokenizer, "data.tokenizer")  # a file that is no tokenizer.json, a folder without one
     source = getattr(dm, "source", None)
+    data_dir = getattr(dm, "data_dir", None)
     if isinstance(source, dict):
         from kempnerforge.data.sources import check_dataset_spec
 
         check_dataset_spec(source)
     elif isinstance(source, str) and not _local_path(source):
         raise PathError("data.source", f"{source} does not exist (a local file, folder or glob pattern)")
-    data_dir = getattr(dm, "data_dir", None)
+    elif isinstance(source, str):
+        check_source(source, "data.source")  # only empty files: nothing would be tokenized
+    if source is not None and isinstance(data_dir, str) and not (Path(data_dir) / "metadata.json").is_file():
+        check_writable(data_dir, "data.data_dir")  # the source is prepared into it at the start
     for i, src in enumerate(getattr(dm, "sources", None) or []):
         src_dir = getattr(src, "data_dir", None)
         if isinstance(src_dir, str) and not (Path(src_dir) / "metadata.json").is_file():
@@ -240,7 +248,11 @@ def check_checkpoint_folder(
         UserError: not writable (the OS error), or fewer bytes free than needed (both numbers).
     """
     try:
-        ensure_writable(folder)
+        check_writable(folder, field)  # nothing created: a later refusal leaves no empty checkpoint folder behind
+        if folder.is_dir():
+            ensure_writable(folder)  # a real write (and removal) where access() can be wrong (NFS root squash, quota)
+    except PathError as err:
+        raise UserError(field, f"{err}; checkpoints go there") from err
     except OSError as err:
         raise UserError(field, f"{folder} is not writable ({err.strerror or err}); checkpoints go there") from err
     needed = needed()
@@ -253,6 +265,22 @@ def check_checkpoint_folder(
             f"{existing_parent(folder)} has {format_bytes(free)} free, but one checkpoint of this model needs about "
             f"{format_bytes(needed)} (fp32 parameters + optimizer state); free space or save elsewhere",
         )
+
+
+def check_log_folders(trainer: Any) -> None:
+    """Every logger's folder (``save_dir``) can be written or created; nothing is created.
+
+    Raises:
+        PathError: naming ``trainer.logger.init_args.save_dir`` (``trainer.logger[i]`` for several loggers).
+    """
+    loggers = list(getattr(trainer, "loggers", None) or [])
+    for i, logger in enumerate(loggers):
+        folder = getattr(logger, "save_dir", None) or getattr(logger, "root_dir", None)
+        if isinstance(folder, str | Path):
+            field = (
+                "trainer.logger.init_args.save_dir" if len(loggers) == 1 else f"trainer.logger[{i}].init_args.save_dir"
+            )
+            check_writable(folder, field)
 
 
 def warn_bf16_on_cpu(trainer: Any, precision: str | None = None) -> None:
@@ -299,6 +327,7 @@ def preflight(
         The expected world (None for a strategy without a cluster environment).
     """
     check_paths(module, datamodule)
+    check_log_folders(trainer)
     strategy = trainer.strategy
     world = expected_world(strategy) if getattr(strategy, "cluster_environment", None) is not None else None
     world = world or WorldSpec(1, 0, "trainer.devices", "one process", "")

@@ -227,6 +227,7 @@ class KempnerStrategy(ModelParallelStrategy):
         check_matmul_precision(float32_matmul_precision)
         self.mixed_precision_param = mixed_precision_param  # trainer.precision=bf16-mixed may set "bfloat16"
         self.true_half: torch.dtype | None = None  # trainer.precision=bf16-true / 16-true: the parameters' dtype
+        self.restored: tuple[Path, int | None] | None = None  # the checkpoint fit resumed from, and its step
         self.reduce_dtype = resolve_dtype(mixed_precision_reduce, "mixed_precision_reduce")
         self.float32_matmul_precision = float32_matmul_precision
         self.reshard_after_forward = reshard_after_forward
@@ -614,6 +615,7 @@ class KempnerStrategy(ModelParallelStrategy):
         datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
         rank_state = meta.pop("rank_state")
         trainer = self.lightning_module.trainer
+        self.restored = (path, meta.get("global_step"))  # for the "already complete" line (kempnerforge.cli)
         check_accumulation((rank_state or {}).get("accumulate_grad_batches"), trainer.accumulate_grad_batches)
         merge_rank_state(
             meta,

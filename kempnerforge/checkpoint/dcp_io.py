@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import CheckpointIO
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -60,7 +62,7 @@ from kempnerforge.checkpoint.checksum import (
     save_hashed,
     write_manifest,
 )
-from kempnerforge.checkpoint.disk import CheckpointSpaceError, space_errno, space_error
+from kempnerforge.checkpoint.disk import CheckpointSpaceError, format_bytes, space_errno, space_error
 from kempnerforge.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from kempnerforge.checkpoint.layout import (
     COMPLETE_FILE,
@@ -129,6 +131,14 @@ def _save_file(obj: Any, file: Path, record: Record) -> None:
     # A Python file object, not a path: PyTorch's own file writer reports a full disk as "unexpected pos",
     # losing the errno that _failed_save looks for. Hashed on the way (kempnerforge.checkpoint.checksum).
     save_hashed(obj, file, record)
+
+
+def _saved_line(path: Path, step: int | None, nbytes: int, seconds: float, stall: float | None = None) -> None:
+    """Rank 0's one line per completed save: where, which step, how big, how long (async: and how long training
+    waited for the device-to-host copy)."""
+    at = f"step {step}, " if step is not None else ""
+    how = f"{seconds:.1f} s" if stall is None else f"{seconds:.1f} s in the background, the step waited {stall:.2f} s"
+    rank_zero_info(f"Checkpoint saved: {path} ({at}{format_bytes(nbytes)}, {how})")
 
 
 def _failed_save(err: BaseException, tmp: Path, path: Path, needed: int) -> None:
@@ -213,6 +223,8 @@ class DCPCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("DCPCheckpointIO.save_checkpoint does not take storage_options.")
         self.wait()  # one save in flight at most: the previous one has completed (or raised) first
+        start = time.perf_counter()
+        step = checkpoint.get("global_step")
         path = Path(path)
         tmp = partial_path(path)
         if _rank() == 0 and tmp.exists():
@@ -237,7 +249,8 @@ class DCPCheckpointIO(CheckpointIO):
                 upload = dcp.async_save(
                     sharded, checkpoint_id=tmp, storage_writer=writer, process_group=group, async_stager=self._stager
                 )
-                self._submit(self._finish_async, upload, tmp, path, group, needed, record)
+                stall = time.perf_counter() - start
+                self._submit(self._finish_async, upload, tmp, path, group, needed, record, (start, stall, step))
                 return
             dcp.save(sharded, checkpoint_id=tmp, storage_writer=writer)
             write_manifest(tmp, _rank(), record)
@@ -247,6 +260,7 @@ class DCPCheckpointIO(CheckpointIO):
         _barrier()  # every rank has written its shards and rank file
         if _rank() == 0:
             self._mark_complete(tmp, path)
+            _saved_line(path, step, needed, time.perf_counter() - start)
             if self._commit_hooks:
                 self._submit(self._run_commit_hooks, path)
         _barrier()
@@ -262,9 +276,18 @@ class DCPCheckpointIO(CheckpointIO):
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kforge-checkpoint")
         self._tasks.append(self._worker.submit(fn, *args))
 
-    def _finish_async(self, upload: Future, tmp: Path, path: Path, group: Any, needed: int, record: Record) -> None:
+    def _finish_async(
+        self,
+        upload: Future,
+        tmp: Path,
+        path: Path,
+        group: Any,
+        needed: int,
+        record: Record,
+        timing: tuple[float, float, int | None],
+    ) -> None:
         """Checkpoint worker, every rank: this rank's upload and checksum record, then all ranks' (barrier), then
-        rank 0 completes it."""
+        rank 0 completes it and says so (``timing``: the save's start, the seconds training waited, its step)."""
         try:
             upload.result()  # DCP raises on every rank when any rank's write failed
             write_manifest(tmp, _rank(), record)  # rank 0's holds .metadata: DCP wrote it before the upload ended
@@ -275,6 +298,8 @@ class DCPCheckpointIO(CheckpointIO):
             dist.barrier(group=group)
         if _rank() == 0:
             self._mark_complete(tmp, path)
+            start, stall, step = timing
+            _saved_line(path, step, needed, time.perf_counter() - start, stall)
             self._run_commit_hooks(path)
 
     @staticmethod

@@ -8,6 +8,7 @@ the meta device) because ``Transformer.init_weights`` calls :func:`load_hf_weigh
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -112,8 +113,11 @@ def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> se
         ValueError: a folder tensor with another shape; with the whole model (no pipeline stage), folder tensors
             nothing reads (e.g. biases our model lacks): a weight is never dropped silently.
     """
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
     from kempnerforge.model.safetensors_shards import SafetensorsFolder
 
+    start = time.perf_counter()
     done: set[int] = set()
     used: set[str] = set()
     with SafetensorsFolder(path) as folder:
@@ -123,4 +127,9 @@ def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> se
             used.update(source.keys)
             done.add(id(param))
     _check_all_read(model, path, cfg, disk, used)
+    nbytes = sum(getattr(p, "_local_tensor", p).nbytes for p in model.parameters() if id(p) in done)
+    rank_zero_info(
+        f"init_from: loaded {len(used)} tensors from {path} into {len(done)} parameters "
+        f"({nbytes / 2**20:.1f} MiB on this rank) in {time.perf_counter() - start:.1f} s"
+    )
     return done

@@ -31,6 +31,7 @@ from kempnerforge.data.shard_files import (  # noqa: F401  (re-exported: the dat
 from kempnerforge.data.shard_files import atomic_write as _atomic_write
 from kempnerforge.data.shard_files import prepare_output_dir as _prepare_output_dir
 from kempnerforge.data.sources import load_local_dataset, source_fingerprint
+from kempnerforge.errors import PathError
 
 _TEXT_SUFFIXES = (".txt",)
 _JSON_SUFFIXES = (".json", ".jsonl")
@@ -86,11 +87,15 @@ def load_tokenizer(tokenizer: str | os.PathLike) -> LocalTokenizer:
 
     Raises:
         FileNotFoundError: the path does not exist.
+        PathError: a file that is not a ``tokenizer.json``, or a folder without tokenizer files (field ``tokenizer``).
         ValueError: the tokenizer has no EOS token.
     """
     path = Path(tokenizer).expanduser().resolve()
     if not path.exists():
         raise FileNotFoundError(f"tokenizer: {str(tokenizer)!r} does not exist; expected a local tokenizer directory")
+    from kempnerforge.data.input_checks import check_tokenizer
+
+    check_tokenizer(tokenizer, "tokenizer")  # a file that is no tokenizer.json, a folder without tokenizer files
     tok_dir = path.parent if path.is_file() else path
     tok_json = path if path.is_file() else path / "tokenizer.json"
     if tok_json.is_file():
@@ -529,8 +534,8 @@ def prepare_data(
             )
         shards = writer.close()
         if not shards:
-            raise ValueError(
-                f"source {str(source)!r} produced no tokens (all {stats['num_empty_documents']} documents empty)"
+            raise PathError(
+                "source", f"{str(source)!r} produced no tokens (all {stats['num_empty_documents']} documents empty)"
             )
     except BaseException:
         if created:  # a refused source leaves no half-written folder behind
@@ -583,6 +588,12 @@ def prepare_main(argv: list[str] | None = None) -> None:
     cfg = parser.parse_args(argv).as_dict()
     cfg.pop("config", None)
     try:
+        from kempnerforge.data.input_checks import check_source, check_tokenizer, check_writable
+
+        if isinstance(cfg.get("source"), str):  # before the tokenizer loads: nothing to read is named first
+            check_source(cfg["source"], "source")
+        check_tokenizer(cfg["tokenizer"], "tokenizer")
+        check_writable(cfg["output_dir"], "output_dir")
         if cfg.get("format") == "chat":  # every record first (one JSON pass): a bad line is one line, no progress bar
             from kempnerforge.data.chat_prepare import check_chat_source
 

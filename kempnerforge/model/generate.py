@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kempnerforge.errors import UserError
 from kempnerforge.model.kv_cache import KVCache
 
 
@@ -144,12 +145,24 @@ def decoder_step(
     return model.output(model.norm(h[:, -1:])).float()[:, 0]
 
 
-def _check_lengths(model: nn.Module, total: int) -> None:
+def _check_lengths(model: nn.Module, total: int, prompt: int | None = None) -> None:
+    """Refuse more positions than the model's RoPE table holds.
+
+    Raises:
+        UserError: naming ``--prompt`` when the prompt alone is too long (``prompt`` given), else ``--max_new_tokens``.
+    """
     limit = model.rope_cos.shape[0]
     if total > limit:
-        raise ValueError(
+        if prompt is not None and prompt >= limit:
+            raise UserError(
+                "--prompt", f"the prompt (and prefix) is {prompt} positions; ModelConfig.max_seq_len={limit} holds "
+                f"fewer: shorten it to under {limit} tokens"
+            )  # fmt: skip
+        room = f" (at most {limit - prompt} after this prompt)" if prompt is not None else ""
+        raise UserError(
+            "--max_new_tokens",
             f"prompt + prefix + max_new_tokens = {total} positions exceed ModelConfig.max_seq_len={limit}; "
-            "lower max_new_tokens or shorten the prompts"
+            f"lower --max_new_tokens{room} or shorten the prompt",
         )
 
 
@@ -183,7 +196,8 @@ def generate(
         :class:`GenerationOutput`.
 
     Raises:
-        ValueError: shapes disagree, or the total length exceeds ``max_seq_len``.
+        ValueError: shapes disagree.
+        UserError: the total length exceeds ``max_seq_len``, or a prompt token id is beyond the vocabulary.
     """
     sampling = sampling or SamplingConfig()
     batch, prompt_len = input_ids.shape
@@ -192,7 +206,14 @@ def generate(
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
     n_prefix = 0 if prefix_embeds is None else prefix_embeds.shape[1]
-    _check_lengths(model, n_prefix + prompt_len + sampling.max_new_tokens)  # before any allocation
+    _check_lengths(model, n_prefix + prompt_len + sampling.max_new_tokens, n_prefix + prompt_len)  # before allocating
+    vocab = model.tok_embeddings.weight.shape[0]
+    if input_ids.numel() and int(input_ids.max()) >= vocab:  # a tokenizer larger than the model's vocabulary
+        raise UserError(
+            "--tokenizer",
+            f"the prompt has token id {int(input_ids.max())}, but the model's vocab_size is {vocab}: this tokenizer "
+            "is not the model's (give the tokenizer it was trained with)",
+        )
     dim = model.tok_embeddings.weight.shape[1]
     if prefix_embeds is not None and (prefix_embeds.dim() != 3 or prefix_embeds.shape[::2] != (batch, dim)):
         raise ValueError(

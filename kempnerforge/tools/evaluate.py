@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from kempnerforge.cli_errors import ToolArgumentParser
+from kempnerforge.errors import UserError
 from kempnerforge.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
 # The checkpoint reader and the data module import Lightning: imported in the functions that run, so
@@ -126,7 +127,16 @@ def eval_main(argv: list[str] | None = None) -> PerplexityResult:
     parser = build_parser()
     args = parser.parse_args(argv)
     from kempnerforge.checkpoint.load import load_checkpoint_model
+    from kempnerforge.data.input_checks import check_source, check_token_dir, check_tokenizer
     from kempnerforge.data.prepare import prepare_data
+
+    # The data arguments before the checkpoint is read: a missing, empty or unprepared path is one line.
+    if args.source is not None:
+        check_source(args.source, "--source")
+    if args.tokenizer is not None:
+        check_tokenizer(args.tokenizer, "--tokenizer")
+    if args.data_dir is not None and args.source is None:
+        check_token_dir(args.data_dir, "--data_dir")
 
     loaded = load_checkpoint_model(args.ckpt, device=args.device)
     run = loaded.meta.get("datamodule_hyper_parameters") or {}
@@ -142,10 +152,15 @@ def eval_main(argv: list[str] | None = None) -> PerplexityResult:
             tokenizer = args.tokenizer or loaded.tokenizer
             if tokenizer is None:
                 parser.error("--source needs --tokenizer (the checkpoint records none)")
-            prepare_data(source=args.source, tokenizer=tokenizer, output_dir=tmp, text_field=args.text_field)
+            try:
+                prepare_data(source=args.source, tokenizer=tokenizer, output_dir=tmp, text_field=args.text_field)
+            except UserError as err:  # "source produced no tokens", a bad tokenizer: named as the option
+                raise UserError(f"--{err.field.removeprefix('--')}", str(err)) from err
             data_dir = tmp
         if data_dir is None:
             parser.error("--data_dir or --source is needed (the checkpoint records no data module)")
+        if args.data_dir is None and args.source is None:
+            check_token_dir(data_dir, "--data_dir")  # the run's, recorded in the checkpoint: it may have moved
         windows = eval_windows(data_dir, seq_len, val_fraction, split, run.get("data_seed", run.get("seed", 0)))
         chunk = args.loss_chunk_size
         if chunk is None:

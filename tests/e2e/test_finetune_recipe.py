@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,4 +68,10 @@ def test_finetune_debug_recipe_starts_from_the_folder(tmp_path):
     assert abs(losses[0] - want) < 1e-4, (losses[0], want)
     assert want > 11.5 and len(losses) == 4 and all(abs(x) < 20 for x in losses), losses
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000004.ckpt"
+    text = proc.stdout + proc.stderr  # issue 28's feedback lines: the weights loaded, the checkpoint saved
+    loaded = re.search(rf"init_from: loaded (\d+) tensors from {re.escape(str(folder))} into (\d+) parameters "
+                       r"\(([0-9.]+) MiB on this rank\) in [0-9.]+ s", text)  # fmt: skip
+    assert loaded and loaded.group(1) == "20" and float(loaded.group(3)) > 12, text[-3000:]  # tied: 2x9 + embed + norm
+    saved = re.search(rf"Checkpoint saved: {re.escape(str(tmp_path / 'ckpt' / 'step=000004.ckpt'))} \(step 4, ", text)
+    assert saved and text.count("Checkpoint saved: ") == 1, text[-3000:]
     print(f"finetune_debug: first loss {losses[0]:.5f} (HF {want:.5f}), last {losses[-1]:.3f}")

@@ -167,3 +167,145 @@ def test_generate_bad_arguments_are_one_line(name, tmp_path, capsys):
         pytest.skip("a CUDA build: --device cuda is valid")
     code, err = _run(generate_main, ["--ckpt", str(tmp_path / "none"), *extra], capsys)
     _one_line(code, err, field)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only tmpfs (read-only for root too; needs mount rights), skipped where it cannot be mounted."""
+    import subprocess
+
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _inputs(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "emptydir").mkdir(exist_ok=True)
+    return tmp_path / "empty.txt", tmp_path / "emptydir"
+
+
+EVAL = {  # arguments after --ckpt (never read: the data arguments are checked first), the field, what it says
+    "missing_source": (["--source", "/nonexistent.txt"], "--source", "does not exist"),
+    "empty_source": (["--source", "{empty}"], "--source", "is empty (1 file of 0 bytes)"),
+    "missing_data_dir": (["--data_dir", "/nonexistent"], "--data_dir", "does not exist"),
+    "empty_data_dir": (["--data_dir", "{emptydir}"], "--data_dir", "holds no prepared token shards"),
+    "tokenizer_file": (["--source", "README.md", "--tokenizer", "README.md"], "--tokenizer", "is a file"),
+}
+
+
+@pytest.mark.parametrize("name", list(EVAL))
+def test_eval_bad_data_arguments_are_one_line(name, tmp_path):
+    empty, emptydir = _inputs(tmp_path)
+    extra, field, want = EVAL[name]
+    args = [a.format(empty=empty, emptydir=emptydir) for a in extra]
+    proc = kforge_in_process("eval", "--ckpt", str(tmp_path / "no_ckpt"), *args)
+    assert want in _one_line(proc.returncode, proc.stderr, field)
+
+
+def test_prepare_data_refuses_a_tokenizer_file_an_empty_source_and_a_read_only_output(tmp_path, read_only,
+                                                                                       gpt2_tokenizer_dir):  # fmt: skip
+    empty, _ = _inputs(tmp_path)
+    cases = [
+        (["--source", "README.md", "--tokenizer", "README.md", "--output_dir", str(tmp_path / "o")], "--tokenizer"),
+        (["--source", str(empty), "--tokenizer", str(gpt2_tokenizer_dir), "--output_dir", str(tmp_path / "o")],
+         "--source"),
+        (["--source", "README.md", "--tokenizer", str(gpt2_tokenizer_dir), "--output_dir", str(read_only / "o")],
+         "--output_dir"),
+    ]  # fmt: skip
+    for args, field in cases:
+        proc = kforge_in_process("prepare-data", *args, "--progress", "false")
+        line = _one_line(proc.returncode, proc.stderr, field)
+        assert not (tmp_path / "o").exists(), line
+    assert "read-only filesystem" in line
+
+
+FIT_PATHS = {  # extra fit arguments, the field, what it says
+    "empty_source": (["--data.source={empty}", "--data.data_dir={tmp}/tok"], "data.source", "is empty"),
+    "tokenizer_file": (
+        ["--data.source=README.md", "--data.tokenizer=README.md", "--data.data_dir={tmp}/tok"],
+        "data.tokenizer",
+        "is a file",
+    ),  # fmt: skip
+    "log_under_a_file": (
+        ["--trainer.logger=lightning.pytorch.loggers.CSVLogger", "--trainer.logger.init_args.save_dir=README.md/runs"],
+        "trainer.logger.init_args.save_dir",
+        "README.md is a file",
+    ),  # fmt: skip
+    "read_only_log": (
+        ["--trainer.logger=lightning.pytorch.loggers.CSVLogger", "--trainer.logger.init_args.save_dir={ro}/runs"],
+        "trainer.logger.init_args.save_dir",
+        "read-only filesystem",
+    ),  # fmt: skip
+    "read_only_data_dir": (
+        ["--data.source=README.md", "--data.data_dir={ro}/tok"],
+        "data.data_dir",
+        "read-only filesystem",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", list(FIT_PATHS))
+def test_fit_bad_paths_are_one_line_before_anything_starts(name, tmp_path, read_only, started):  # noqa: F811
+    empty, _ = _inputs(tmp_path)
+    extra, field, want = FIT_PATHS[name]
+    ckpt = tmp_path / "ckpt"
+    args = [a.format(empty=empty, tmp=tmp_path, ro=read_only) for a in extra]
+    proc = kforge_in_process("fit", "--config", "configs/debug.yaml", "--trainer.enable_progress_bar=false",
+                             f"--trainer.callbacks.init_args.dirpath={ckpt}", *args)  # fmt: skip
+    assert want in _one_line(proc.returncode, proc.stderr, field)
+    assert started == [] and not ckpt.exists() and not (tmp_path / "tok").exists()
+
+
+def test_generate_refuses_too_long_prompts_too_many_tokens_and_ids_beyond_the_vocabulary(trained_ckpt,
+                                                                                          gpt2_tokenizer_dir):  # fmt: skip
+    ckpt = str(trained_ckpt / "dcp")
+    tok = trained_ckpt / "tok96"  # a 96-token model needs a tokenizer whose ids fit: the first ids of GPT-2's
+    cases = {
+        "--prompt": ["--prompt", "a " * 40, "--max_new_tokens", "1"],  # 40 tokens > max_seq_len 32
+        "--max_new_tokens": ["--prompt", "a", "--max_new_tokens", "1000"],
+        "--tokenizer": [
+            "--prompt",
+            "To be",
+            "--max_new_tokens",
+            "2",
+            "--tokenizer",
+            str(gpt2_tokenizer_dir),
+        ],  # ids > 95
+    }
+    for field, args in cases.items():
+        if field != "--tokenizer" and not tok.exists():
+            _ascii_tokenizer(tok)
+        extra = [] if field == "--tokenizer" else ["--tokenizer", str(tok)]
+        proc = kforge_in_process("generate", "--ckpt", ckpt, *extra, *args)
+        line = _one_line(proc.returncode, proc.stderr, field)
+        assert "max_seq_len=32" in line if field != "--tokenizer" else "vocab_size is 96" in line, line
+
+
+def _ascii_tokenizer(folder):
+    """A character-level tokenizer of 96 ids (printable ASCII; EOS is id 95) for the 96-token test model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True)
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    vocab["<|endoftext|>"] = 95
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_init_from_seq_len_beyond_the_folder_says_what_fits(trained_ckpt, tmp_path, shakespeare_tokens, started,  # noqa: F811
+                                                            gpt2_tokenizer_dir):  # fmt: skip
+    """The seq_len advice under init_from names the folder's ceiling (raising max_seq_len is refused there)."""
+    proc = kforge_in_process("fit", "--config", "configs/finetune_debug.yaml",
+                             f"--model.init_from={trained_ckpt / 'hf'}", f"--data.data_dir={shakespeare_tokens}",
+                             f"--data.tokenizer={gpt2_tokenizer_dir}", "--data.seq_len=64", f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}")  # fmt: skip
+    line = _one_line(proc.returncode, proc.stderr, "data.seq_len")
+    assert "use data.seq_len <= 32" in line and "raise max_seq_len" not in line, line
+    assert started == []
