@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kempnerforge.errors import PathError
 
-__all__ = ["check_source", "check_token_dir", "check_tokenizer", "check_writable"]
+__all__ = ["check_source", "check_tokenizer", "check_writable"]
 
 #: Files a local tokenizer folder holds (``tokenizers``' ``tokenizer.json``, or what ``AutoTokenizer`` reads).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
@@ -28,7 +28,7 @@ def check_tokenizer(path: str | os.PathLike, field: str) -> None:
     """
     p = Path(path).expanduser()
     if not p.exists():
-        raise PathError(field, f"{path} does not exist; give a local tokenizer folder (nothing is downloaded)")
+        raise PathError(field, f"{str(path)!r} does not exist; give a local tokenizer folder (nothing is downloaded)")
     if p.is_file():
         if p.suffix != ".json":
             raise PathError(field, f"{path} is a file, not a tokenizer folder (or its tokenizer.json)")
@@ -45,31 +45,12 @@ def check_source(source: str | os.PathLike, field: str) -> None:
     """
     matches = [Path(m) for m in glob.glob(str(Path(source).expanduser()))]
     if not matches:
-        raise PathError(field, f"{source} does not exist (a local file, folder or glob pattern)")
+        raise PathError(field, f"{str(source)!r} does not exist (a local file, folder or glob pattern)")
     files = [f for m in matches for f in ([m] if m.is_file() else m.rglob("*")) if f.is_file()]
     if not files:
         raise PathError(field, f"{source} holds no files")
     if all(f.stat().st_size == 0 for f in files):
         raise PathError(field, f"{source} is empty ({len(files)} file{'s' * (len(files) > 1)} of 0 bytes)")
-
-
-def check_token_dir(path: str | os.PathLike, field: str) -> None:
-    """``path`` is a folder of prepared token shards (its ``metadata.json`` parses and lists shards).
-
-    Raises:
-        PathError: missing, a file, a folder without ``metadata.json``, or a record that does not parse.
-    """
-    from kempnerforge.data.memmap import TokenDataError, read_metadata
-
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise PathError(field, f"{path} does not exist; run kforge prepare-data --output_dir {path} first")
-    if not (p / "metadata.json").is_file():
-        raise PathError(field, f"{path} holds no prepared token shards (metadata.json); run kforge prepare-data")
-    try:
-        read_metadata(p)
-    except TokenDataError as err:
-        raise PathError(field, f"{err}; prepare it again (kforge prepare-data --output_dir {path})") from err
 
 
 def check_writable(path: str | os.PathLike, field: str) -> None:
@@ -85,7 +66,7 @@ def check_writable(path: str | os.PathLike, field: str) -> None:
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise PathError(field, f"{path} cannot be a folder: {existing} is a file")
+        raise PathError(field, f"{path} is not writable: {existing} is a file, so it cannot be a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         if _read_only_mount(existing):
             raise PathError(field, f"{path} is not writable: {existing} is on a read-only filesystem")

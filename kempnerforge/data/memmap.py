@@ -253,3 +253,22 @@ class MemmapTokenDataset(Dataset):
         state = self.__dict__.copy()
         state["_arrays"] = None  # a pickled memmap would copy the whole shard
         return state
+
+
+def check_token_dir(path: str | os.PathLike, field: str) -> None:
+    """``path`` is a folder of prepared token shards (its ``metadata.json`` parses and lists shards).
+
+    Raises:
+        PathError: missing, a file, a folder without ``metadata.json``, or a record that does not parse.
+    """
+    from kempnerforge.errors import PathError
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise PathError(field, f"{path} does not exist; run kforge prepare-data --output_dir {path} first")
+    if not (p / "metadata.json").is_file():
+        raise PathError(field, f"{path} holds no prepared token shards (metadata.json); run kforge prepare-data")
+    try:
+        read_metadata(p)
+    except TokenDataError as err:
+        raise PathError(field, f"{err}; prepare it again (kforge prepare-data --output_dir {path})") from err

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
 
 #: Values of the strategy's ``mixed_precision_param``; ``auto`` is bf16 on CUDA and fp32 elsewhere.
 PARAM_DTYPE_CHOICES: tuple[str, ...] = ("auto", "bfloat16", "float32")
@@ -64,6 +65,7 @@ class TrueHalfInputs(Precision):
         self.precision = precision
         self.dtype = TRUE_HALF[precision]
 
+    @override
     def convert_input(self, data: Any) -> Any:
         """``data`` with every floating tensor cast to :attr:`dtype`."""
         return apply_to_collection(data, torch.Tensor, lambda t: t.to(self.dtype) if t.is_floating_point() else t)

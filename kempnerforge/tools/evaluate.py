@@ -127,7 +127,8 @@ def eval_main(argv: list[str] | None = None) -> PerplexityResult:
     parser = build_parser()
     args = parser.parse_args(argv)
     from kempnerforge.checkpoint.load import load_checkpoint_model
-    from kempnerforge.data.input_checks import check_source, check_token_dir, check_tokenizer
+    from kempnerforge.data.input_checks import check_source, check_tokenizer
+    from kempnerforge.data.memmap import check_token_dir
     from kempnerforge.data.prepare import prepare_data
 
     # The data arguments before the checkpoint is read: a missing, empty or unprepared path is one line.
