@@ -15,6 +15,7 @@ from kempnerforge.data.prepare import prepare_main
 from kempnerforge.tools.convert import convert_main
 from tests.e2e.inprocess import kforge_in_process
 from tests.e2e.test_user_errors import started  # noqa: F401  (the fixture)
+from tests.tmpfs import mounted_tmpfs
 
 
 def _tree(folder):
@@ -166,23 +167,16 @@ def test_generate_bad_arguments_are_one_line(name, tmp_path, capsys):
     if name == "device_cuda" and torch.cuda.is_available():
         pytest.skip("a CUDA build: --device cuda is valid")
     code, err = _run(generate_main, ["--ckpt", str(tmp_path / "none"), *extra], capsys)
-    _one_line(code, err, field)
+    line = _one_line(code, err, field)
+    assert line.startswith(f"kforge: error: {field}: ") and len(line) > len(field) + 25, line  # says what is allowed
+    assert list(tmp_path.iterdir()) == []  # refused before the checkpoint is read: nothing written
 
 
 @pytest.fixture
 def read_only(tmp_path):
-    """A read-only tmpfs (read-only for root too; needs mount rights), skipped where it cannot be mounted."""
-    import subprocess
-
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {proc.stderr.decode().strip()}")
-    try:
+    """A read-only tmpfs (read-only for root too); skipped where it cannot be mounted."""
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def _inputs(tmp_path):

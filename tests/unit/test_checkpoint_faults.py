@@ -8,7 +8,6 @@ import errno
 import io
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from kempnerforge.checkpoint.dcp_io import LATEST_FILE, CheckpointSpaceError, DC
 from kempnerforge.checkpoint.disk import format_bytes
 from kempnerforge.checkpoint.verify import CorruptCheckpointError, verify_checkpoint
 from kempnerforge.resilience.auto_resume import AutoResume, find_resume_checkpoint
+from tests.tmpfs import mounted_tmpfs
 
 MIB = 1 << 20
 
@@ -84,16 +84,9 @@ def test_a_full_disk_names_path_needed_and_free_bytes_and_removes_the_partial(tm
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    """A 1 MiB tmpfs (needs mount rights: root in a container with CAP_SYS_ADMIN); skipped where it cannot be made."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    try:
+    """A 1 MiB tmpfs; skipped where it cannot be mounted."""
+    with mounted_tmpfs(tmp_path / "tmpfs", "size=1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_a_save_into_a_full_tmpfs_says_so_and_leaves_nothing(tiny_tmpfs):
