@@ -61,6 +61,7 @@ _STRATEGY_ARGS = (
     "tp",
     "pp",
     "cp",
+    "cp_attention",
     "ep",
     "sequence_parallel",
     "loss_parallel",

@@ -30,6 +30,7 @@ from kempnerforge.model.fused import validate_fused_tp
 from kempnerforge.model.vision import build_image_processor, hf_vision_config
 from kempnerforge.model.vlm import build_backbone
 from kempnerforge.model.vlm.model import VisionLanguageModel
+from kempnerforge.parallel.context_parallel import shard_batch
 from kempnerforge.parallel.dtensor import to_full
 from kempnerforge.parallel.expert_parallel import validate_ep
 from kempnerforge.parallel.grad_clip import check_lightning_clipping, clip_grad_norm_
@@ -110,6 +111,8 @@ class CausalLM(LightningModule):
 
     #: Whether the model can compute its loss from its hidden states (the fused head + loss paths).
     fused_head: bool = True
+    #: True, or why ``cp > 1`` is refused (:func:`~kempnerforge.parallel.context_parallel.validate_cp_run`).
+    supports_context_parallel: bool | str = True
 
     def __init__(
         self,
@@ -183,11 +186,18 @@ class CausalLM(LightningModule):
                 ``fuse_w13`` with ``tp`` not dividing ``ffn_hidden`` (:func:`kempnerforge.model.fused.validate_fused_tp`).
             ValueError: ``ep > 1`` without MoE or ``num_experts`` not divisible by ``ep``
                 (:func:`kempnerforge.parallel.expert_parallel.validate_ep`).
+            MeshConfigError: ``cp > 1`` with MoE's sequence-wise aux loss (``seq_aux_loss_weight > 0``).
         """
         cfg = self.config
         validate_tp(dims.tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads_resolved)
         validate_fused_tp(cfg, dims.tp)
         validate_ep(dims.ep, cfg.num_experts)
+        if dims.cp > 1 and cfg.num_experts and cfg.seq_aux_loss_weight > 0:
+            raise MeshConfigError(
+                f"cp={dims.cp} with model.config.seq_aux_loss_weight={cfg.seq_aux_loss_weight} is not supported yet: "
+                "the sequence-wise balance loss is a statistic of whole sequences, which cp splits; use "
+                "seq_aux_loss_weight=0 (bias balancing and aux_loss_weight work under cp)."
+            )
         self.resolved_loss_impl = resolve_loss_impl(
             self.loss_impl, self.loss_chunk_size, tp=dims.tp, pp=dims.pp, fused_ok=self.fused_head
         )
@@ -240,17 +250,31 @@ class CausalLM(LightningModule):
 
     # -- steps ----------------------------------------------------------------------------------
 
+    def _parallel_mesh(self):
+        return getattr(self.trainer.strategy, "parallel_mesh", None) if _has_trainer(self) else None
+
     def _dp_group(self) -> dist.ProcessGroup | None:
-        mesh = getattr(self.trainer.strategy, "parallel_mesh", None) if _has_trainer(self) else None
+        """The group the step's target tokens are counted and its gradients averaged over: every rank that saw
+        other tokens (data shards x context-parallel ranks, ``ParallelMesh.dp_cp``); the world without our mesh."""
+        mesh = self._parallel_mesh()
         if mesh is not None:
-            return mesh.dp.get_group()
+            return mesh.dp_cp.get_group()
         return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    def _cp_batch(self, batch: dict[str, torch.Tensor]) -> dict:
+        """This rank's share of ``batch`` under context parallelism (its ``"cp"`` entry then goes to the model,
+        :func:`~kempnerforge.parallel.context_parallel.shard_batch`); ``batch`` itself when ``cp = 1``."""
+        mesh = self._parallel_mesh()
+        if mesh is None or mesh.dims.cp == 1:
+            return batch
+        return shard_batch(batch, mesh.cp)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """One micro-batch: token cross-entropy normalized by the optimizer step's global target-token
         count (:meth:`_record_step`); logs lr and tokens seen (tokens/s and MFU: the
         :class:`~kempnerforge.callbacks.MFUMonitor` callback)."""
+        full, batch = batch, self._cp_batch(batch)
         labels, w = batch["labels"], self.z_loss_weight
         if self.resolved_loss_impl in FUSED_IMPLS:
             total, z_sum = self.model(
@@ -260,9 +284,10 @@ class CausalLM(LightningModule):
                 z_loss_weight=w,
                 doc_ids=batch.get("doc_ids"),
                 loss_impl=self.resolved_loss_impl,
+                **self._cp_kwargs(batch),
             )
             # z_sum is a constant here: total - w * z_sum has the CE value and total's gradient.
-            return self._record_step(batch, batch_idx, total - w * z_sum, (labels != IGNORE_INDEX).sum(), z_sum)
+            return self._record_step(full, batch_idx, total - w * z_sum, (labels != IGNORE_INDEX).sum(), z_sum)
         logits = self._logits(batch)
         # Vocab-sharded logits (TP with loss parallel): the backward must also run under loss_parallel().
         self._loss_parallel_backward = isinstance(logits, DTensor)
@@ -270,12 +295,16 @@ class CausalLM(LightningModule):
         # micro-batches, all dp ranks); on_before_optimizer_step logs train/loss.
         loss_sum, n_targets = token_cross_entropy_sum(logits, labels)
         z_sum = z_loss_sum(logits, labels) if w else None
-        return self._record_step(batch, batch_idx, loss_sum, n_targets, z_sum)
+        return self._record_step(full, batch_idx, loss_sum, n_targets, z_sum)
+
+    @staticmethod
+    def _cp_kwargs(batch: dict) -> dict:
+        return {"cp": batch["cp"]} if "cp" in batch else {}
 
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's logits (batch, seq, vocab) for one batch (a subclass feeds more inputs); packed
-        batches' ``doc_ids`` mask attention per document."""
-        return self.model(batch["input_ids"], doc_ids=batch.get("doc_ids"))
+        batches' ``doc_ids`` mask attention per document; a context-parallel share's ``cp`` entry goes along."""
+        return self.model(batch["input_ids"], doc_ids=batch.get("doc_ids"), **self._cp_kwargs(batch))
 
     def _record_step(
         self,
@@ -301,7 +330,8 @@ class CausalLM(LightningModule):
         if not moe_aux_in_backward:
             objective = self._add_moe_aux_loss(objective, n_targets, new_step)
         factor = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step, accumulate, self._dp_group())
-        tokens = batch["input_ids"].numel() * self._dp_size()
+        # The whole (unsplit) batch on every dp rank: each token counted once, cp ranks of it not again.
+        tokens = batch["input_ids"].numel() * self._data_shards()
         self.tokens_seen += tokens
         self._log_host_scalars()
         return objective * factor
@@ -328,8 +358,14 @@ class CausalLM(LightningModule):
         return loss + aux * n_targets.to(aux.dtype)
 
     def _dp_size(self) -> int:
+        """Size of :meth:`_dp_group` (data shards x cp ranks): FSDP2 averages gradients over it."""
         group = self._dp_group()
         return dist.get_world_size(group) if group is not None else 1
+
+    def _data_shards(self) -> int:
+        """The number of data shards (distinct batches per micro-step): :meth:`_dp_size` without the cp ranks."""
+        mesh = self._parallel_mesh()
+        return self._dp_size() // (mesh.dims.cp if mesh is not None else 1)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token of the trained model at ``seq_len`` (what MFU counts), FLOP/token.
@@ -361,10 +397,15 @@ class CausalLM(LightningModule):
         computes it: the fused head + loss (chunked, also for ``liger``: no gradient buffers), vocab-parallel on
         sharded TP logits, so validation never holds a vocab-sized tensor a training step did not (no z-loss: it
         is not logged)."""
+        batch = self._cp_batch(batch)
         labels = batch["labels"]
         if self.resolved_loss_impl in FUSED_IMPLS:
             loss_sum, _ = self.model(
-                batch["input_ids"], labels=labels, loss_chunk_size=self.loss_chunk_size, doc_ids=batch.get("doc_ids")
+                batch["input_ids"],
+                labels=labels,
+                loss_chunk_size=self.loss_chunk_size,
+                doc_ids=batch.get("doc_ids"),
+                **self._cp_kwargs(batch),
             )
             return loss_sum, (labels != IGNORE_INDEX).sum()
         return token_cross_entropy_sum(self._logits(batch), labels)
@@ -528,6 +569,11 @@ class VisionLanguage(CausalLM):
     """
 
     fused_head = False  # the backbones return logits
+
+    supports_context_parallel = (
+        "the vision-language backbones take no context-parallel positions or masks yet (their visual tokens and "
+        "cross-attention keys would need their own split)"
+    )
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ from kempnerforge.checkpoint.train_state import check_accumulation, merge_rank_s
 from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure, verify_checkpoint
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
 from kempnerforge.parallel.compile import apply_compile, validate_compile
+from kempnerforge.parallel.context_parallel import apply_cp, validate_cp_attention, validate_cp_run
 from kempnerforge.parallel.contract import (
     TiesWeights,
     ValidatesParallel,
@@ -114,7 +115,11 @@ class KempnerStrategy(ModelParallelStrategy):
             None: one per stage).
         pp_virtual_stages: stages per rank (1 for ``gpipe`` / ``1f1b``; ``interleaved_1f1b`` >= 1).
         pp_split_points: first block index of every stage after the first (None: balanced by layer count).
-        cp: context-parallel degree (refused: not implemented).
+        cp: context-parallel degree (:mod:`kempnerforge.parallel.context_parallel`): each sequence is split over
+            ``cp`` ranks in the load-balanced zigzag layout; parameters are FSDP2-sharded over ``dp_shard x cp``.
+            Needs ``seq_len % (2 * cp) == 0``; not with ``pp > 1``, ``ep > 1`` or vision-language models (yet).
+        cp_attention: how a cp rank attends over the whole sequence: ``allgather`` (default; K/V all-gathered per
+            block, any mask, any device) or ``ring`` (refused in this build).
         ep: expert-parallel degree (MoE models; borrows ranks from dp_shard, must divide it and num_experts).
         mixed_precision_param: FSDP2 compute dtype of unsharded parameters (``MixedPrecisionPolicy.param_dtype``;
             the sharded master weights, gradients and optimizer state stay fp32): ``"auto"`` (bf16 on CUDA, fp32
@@ -178,6 +183,7 @@ class KempnerStrategy(ModelParallelStrategy):
         pp: int = 1,
         cp: int = 1,
         ep: int = 1,
+        cp_attention: str = "allgather",
         sequence_parallel: bool = False,
         loss_parallel: bool = True,
         mixed_precision_param: str = "auto",
@@ -221,6 +227,8 @@ class KempnerStrategy(ModelParallelStrategy):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} is not allowed; use True or False.")
         validate_sequence_parallel(tp, sequence_parallel)
+        validate_cp_attention(cp_attention)
+        self.cp_attention = cp_attention
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         check_param_dtype_name(mixed_precision_param)
@@ -363,7 +371,17 @@ class KempnerStrategy(ModelParallelStrategy):
         dims = ParallelDims(**self._degrees, world_size=world_size)
         if isinstance(module, ValidatesParallel):
             module.validate_parallel(dims)
-        validate_sequence_parallel(dims.tp, self.sequence_parallel, getattr(datamodule, "seq_len", None))
+        seq_len = getattr(datamodule, "seq_len", None)
+        validate_sequence_parallel(dims.tp, self.sequence_parallel, seq_len)
+        validate_cp_run(
+            dims.cp,
+            self.cp_attention,
+            module,
+            seq_len,
+            self._planned_backend(),
+            tp=dims.tp,
+            sequence_parallel=self.sequence_parallel,
+        )
         validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options, ep=dims.ep, tp=dims.tp)
         validate_float8_collectives(self.float8_recipe, dims.tp, self.sequence_parallel, self._planned_backend())
         return dims
@@ -425,7 +443,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self._refresh_float8_scales()  # after Lightning's setup: scales set before it were found lost after it
 
     def parallelize(self, model: nn.Module) -> None:
-        """The chain in its fixed order: TP -> EP -> FP8 -> activation checkpointing -> compile -> FSDP2."""
+        """The chain in its fixed order: TP -> CP -> EP -> FP8 -> activation checkpointing -> compile -> FSDP2."""
         assert self.parallel_mesh is not None
         if self.pipeline is not None:
             self.pipeline.prune(model)  # on meta: this rank keeps only its stages' modules
@@ -443,6 +461,8 @@ class KempnerStrategy(ModelParallelStrategy):
                 float8_recipe=self.float8_recipe,
                 float8_all_gather=self.float8_all_gather,
             )
+        # CP after TP (any time before compile): marks the attention modules, whatever TP made of them.
+        apply_cp(model, self.parallel_mesh.cp if self.parallel_mesh.dims.cp > 1 else None)
         # EP after TP: splits the experts' dim 0 over the ep mesh (TP split their hidden channels: expert-TP).
         ep = self.parallel_mesh.dims.ep
         apply_ep(model, self.parallel_mesh.ep if ep > 1 else None)

@@ -94,7 +94,7 @@ def _touch_meshes(strategy: Any) -> None:
     """Create every sub-mesh (flattened ``dp``, expert meshes) now: DeviceMesh slicing cannot run under
     ``FakeTensorMode`` (as in torchtitan's estimator)."""
     mesh = strategy.parallel_mesh
-    _ = mesh.dp, mesh.fsdp, mesh.tp, mesh.pp
+    _ = mesh.dp, mesh.dp_cp, mesh.cp, mesh.fsdp, mesh.tp, mesh.pp
     if mesh.dims.ep > 1:
         _ = mesh.ep, mesh.expert_fsdp
 

@@ -188,6 +188,10 @@ def axis_of_group(parallel_mesh: Any) -> dict[str, str]:
     dims = parallel_mesh.dims
     if dims.dp > 1:
         names.setdefault(parallel_mesh.dp.get_group().group_name, "dp")
+    if dims.cp > 1:  # FSDP2 shards over dp_shard x cp; the loss counts tokens over dp x cp
+        fsdp = parallel_mesh.fsdp
+        names[fsdp.get_group(fsdp.ndim - 1).group_name] = "dp_shard_cp"
+        names.setdefault(parallel_mesh.dp_cp.get_group().group_name, "dp_cp")
     if dims.ep > 1:
         names[parallel_mesh.ep.get_group().group_name] = "ep"
         expert_fsdp = parallel_mesh.expert_fsdp  # (dp_replicate, dp_shard_mod_ep) with HSDP, else 1-D

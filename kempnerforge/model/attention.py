@@ -21,11 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import apply_rope, apply_rope_rows
+from kempnerforge.parallel.context_parallel import gather_kv
 
 
 class Attention(nn.Module):
@@ -42,9 +44,16 @@ class Attention(nn.Module):
     ``config.attention_bias`` wq/wk/wv carry a bias (Qwen 2), and with ``config.qk_norm`` ``q_norm``/``k_norm``:
     RMSNorm over head_dim applied per head before RoPE (Qwen 3's placement, tested against transformers).
 
+    With context parallelism (``cp_mesh`` set by :func:`~kempnerforge.parallel.context_parallel.apply_cp`) the
+    keys and values of every cp rank are all-gathered after RoPE and the local queries attend to all of them
+    under the mask the model passes (:meth:`~kempnerforge.parallel.context_parallel.ContextShard.attention_mask`).
+
     Shapes: forward(x (batch, seq, dim), cos (seq, head_dim), sin (seq, head_dim),
-    key_mask (batch, seq) bool or None) -> (batch, seq, dim).
+    key_mask (batch, seq) bool or None) -> (batch, seq, dim); under cp, seq is this rank's share.
     """
+
+    #: The 1-D ``cp`` mesh K/V are gathered over (context parallelism), or None.
+    cp_mesh: DeviceMesh | None = None
 
     def __init__(self, config: ModelConfig, fused: bool | None = None) -> None:
         super().__init__()
@@ -83,6 +92,7 @@ class Attention(nn.Module):
         # (batch, heads, seq, head_dim) for the kernels; GQA broadcasts KV heads without a copy.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         mask = causal_key_mask(key_mask) if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 2 else key_mask
+        k, v = context_parallel_kv(k, v, self.cp_mesh, mask)
         out = attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -135,6 +145,26 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+def context_parallel_kv(
+    k: torch.Tensor, v: torch.Tensor, cp_mesh: DeviceMesh | None, mask: torch.Tensor | BlockMask | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (batch, kv_heads, seq, head_dim) as attention sees them: unchanged without context
+    parallelism, else every cp rank's gathered (:func:`~kempnerforge.parallel.context_parallel.gather_kv`).
+
+    Raises:
+        RuntimeError: under cp without a mask: the causal kernel would compare gathered keys by their index,
+            not their global position (the batch must come through ``shard_batch``).
+    """
+    if cp_mesh is None:
+        return k, v
+    if mask is None:
+        raise RuntimeError(
+            "context parallelism needs the cp attention mask: pass the batch through "
+            "kempnerforge.parallel.context_parallel.shard_batch and its 'cp' entry to the model (cp=...)."
+        )
+    return gather_kv(k, v, cp_mesh)
 
 
 #: ``torch.compile`` d ``flex_attention`` (its eager form is a slow reference path), made on first use.

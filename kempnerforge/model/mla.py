@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
-from kempnerforge.model.attention import attend, causal_key_mask
+from kempnerforge.model.attention import attend, causal_key_mask, context_parallel_kv
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import apply_rope, apply_rope_rows, yarn_get_mscale
 from kempnerforge.parallel.expert_tensor_parallel import grad_all_reduce
@@ -60,7 +60,8 @@ class MultiHeadLatentAttention(nn.Module):
     (:func:`~kempnerforge.model.tp_plan.dense_decoder_tp_plan`); ``wq_a``, ``wkv_a`` and the two norms see the
     whole (replicated) input and stay replicated plain parameters whose gradients come out whole (the shared RoPE
     key's gradient is summed over TP here, ``tp_mesh`` set by the plan). Head counts
-    are read from the projections' outputs at run time, so the sharded module runs unchanged.
+    are read from the projections' outputs at run time, so the sharded module runs unchanged. Context parallelism
+    (``cp_mesh``) gathers the per-head keys and values as :class:`~kempnerforge.model.attention.Attention` does.
 
     Shapes: forward(x (batch, seq, dim), cos (seq, qk_rope_head_dim), sin (seq, qk_rope_head_dim),
     key_mask (batch, seq) bool / (batch, 1, seq, seq) bool / BlockMask / None) -> (batch, seq, dim).
@@ -86,6 +87,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, dim, bias=False)
         self.tp_mesh = None  # set by the TP plan (LatentAttentionTensorParallel): heads split over it
+        self.cp_mesh = None  # set by apply_cp: keys and values gathered over it (context parallelism)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_mask: torch.Tensor | None = None
@@ -96,6 +98,7 @@ class MultiHeadLatentAttention(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         mask = causal_key_mask(key_mask) if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 2 else key_mask
+        k, v = context_parallel_kv(k, v, self.cp_mesh, mask)
         out = attend(q, k, v, mask, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 

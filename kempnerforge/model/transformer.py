@@ -20,6 +20,7 @@ from kempnerforge.model.moe import MoE
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import model_rope_tables, pack_rope, unpack_rope
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
+from kempnerforge.parallel.context_parallel import ContextShard
 from kempnerforge.training.loss_impl import fused_head_loss
 
 
@@ -115,6 +116,7 @@ class Transformer(nn.Module):
         z_loss_weight: float = 0.0,
         doc_ids: torch.Tensor | None = None,
         loss_impl: str = "chunked",
+        cp: ContextShard | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (batch, seq, vocab_size) for ``tokens`` (batch, seq) at positions 0..seq-1.
 
@@ -131,19 +133,30 @@ class Transformer(nn.Module):
         attends across a document boundary (:func:`~kempnerforge.model.attention.document_attention_mask`);
         positions (RoPE) stay those of the window, as in torchtitan and Megatron-LM.
 
+        ``cp`` (context parallelism, :func:`~kempnerforge.parallel.context_parallel.shard_batch`): ``tokens`` and
+        ``labels`` are this cp rank's (batch, seq / cp) share at ``cp.positions``; RoPE rotates each token by its
+        global position and attention masks by global positions and ``cp.doc_ids`` (``doc_ids`` must then be None).
+
         Raises:
             ValueError: if seq > config.max_seq_len (the RoPE tables end there); ``labels`` with a
                 ``loss_impl`` other than ``chunked`` / ``liger``, a negative ``loss_chunk_size`` or a
                 vocab-sharded head weight.
         """
-        seq = tokens.shape[1]
+        seq = tokens.shape[1] if cp is None else cp.seq_len
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}")
-        rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # stays fp32 through bf16 blocks
-        # Packed documents: one mask for every layer (a FlexAttention block mask on CUDA, the dense
-        # (batch, 1, seq, seq) mask on CPU); None keeps the is_causal kernel.
-        mask = None if doc_ids is None else document_attention_mask(doc_ids)
+        if cp is None:
+            rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # stays fp32 through bf16 blocks
+            # Packed documents: one mask for every layer (a FlexAttention block mask on CUDA, the dense
+            # (batch, 1, seq, seq) mask on CPU); None keeps the is_causal kernel.
+            mask = None if doc_ids is None else document_attention_mask(doc_ids)
+        else:
+            if doc_ids is not None:
+                raise ValueError("with cp, the whole sequence's doc_ids travel in cp.doc_ids; pass doc_ids=None")
+            rope = pack_rope(self.rope_cos[cp.positions], self.rope_sin[cp.positions])
         h = self.tok_embeddings(tokens)
+        if cp is not None:  # this rank's queries over every rank's keys, by global position; one for all blocks
+            mask = cp.attention_mask(dtype=h.dtype)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if labels is None:

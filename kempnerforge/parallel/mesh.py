@@ -41,9 +41,15 @@ def validate_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int
         raise MeshConfigError(
             f"dp_shard={dp_shard!r} is not allowed: use an integer >= 1, or -1 to infer it from the world size."
         )
-    if cp > 1:
+    if cp > 1 and pp > 1:
         raise MeshConfigError(
-            f"cp={cp} is not supported: context parallelism is not implemented (and does not run on CPU); use cp=1."
+            f"cp={cp} with pp={pp} is not supported yet: the pipeline's stages take no context-parallel positions "
+            "or mask; use pp=1 with cp, or cp=1 with pp."
+        )
+    if cp > 1 and ep > 1:
+        raise MeshConfigError(
+            f"cp={cp} with ep={ep} is not supported yet: expert gradients would not be reduced over cp; use ep=1 "
+            "(experts are then FSDP-sharded over dp_shard x cp like the dense weights)."
         )
 
 
@@ -56,7 +62,8 @@ class ParallelDims:
         dp_shard: FSDP2 shard degree; ``-1`` infers ``world_size / (pp * dp_replicate * cp * tp)``.
         tp: tensor-parallel degree (Megatron-LM, arXiv:1909.08053).
         pp: pipeline-parallel degree.
-        cp: context-parallel degree.
+        cp: context-parallel degree (:mod:`kempnerforge.parallel.context_parallel`): every sequence split over
+            ``cp`` ranks that see the same batch; parameters are FSDP2-sharded over ``dp_shard x cp``.
         ep: expert-parallel degree (borrows ranks from ``dp_shard``; experts are replicated over ``dp_replicate``).
         world_size: number of ranks.
 
@@ -138,8 +145,30 @@ class ParallelMesh:
         return self.world["dp_replicate", "dp_shard"]._flatten("dp")
 
     @cached_property
+    def dp_cp(self) -> DeviceMesh:
+        """Loss / gradient mesh: every rank that saw other tokens of the step (``dp_replicate x dp_shard x cp``
+        flattened; the :attr:`dp` mesh itself when ``cp = 1``). The step's target tokens are counted over it."""
+        if self.dims.cp == 1:
+            return self.dp
+        return self.world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
+    @cached_property
+    def cp(self) -> DeviceMesh:
+        """1-D context-parallel mesh (``cp`` axis): the ranks splitting one sequence (K/V all-gathered over it)."""
+        return self.world["cp"]
+
+    @cached_property
     def fsdp(self) -> DeviceMesh:
-        """Dense-parameter mesh for FSDP2: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+        """Dense-parameter mesh for FSDP2: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP; with
+        ``cp > 1`` the shard axis is ``dp_shard x cp`` flattened (torchtitan's ``dp_shard_cp``): cp ranks hold
+        different shards and their gradients are reduce-scattered together."""
+        if self.dims.cp > 1:
+            if self.dims.dp_replicate == 1:
+                return self.world["dp_shard", "cp"]._flatten("dp_shard_cp")
+            # The flattened (replicate, shard x cp) pair from the world, not sliced out of the root by its flattened
+            # name (torch deprecates that): the same ranks, bookkept here.
+            split = (self.dims.dp_replicate, self.dims.dp_shard * self.dims.cp)
+            return self.dp_cp._unflatten(0, split, ("dp_replicate", "dp_shard_cp"))
         if self.dims.dp_replicate > 1:
             return self.world["dp_replicate", "dp_shard"]
         return self.world["dp_shard"]

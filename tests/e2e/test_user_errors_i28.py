@@ -45,7 +45,26 @@ FIT = {  # extra arguments, the field the line names, a substring of what it say
         "trainer.strategy.init_args.dp_shards",
         "did you mean dp_shard?",
     ),  # fmt: skip
-    "cp": (["--trainer.strategy.init_args.cp=3"], "trainer.strategy.init_args.cp", "use cp=1"),
+    "cp_seq_len": (
+        ["--trainer.strategy.init_args.cp=3", "--trainer.devices=3"],
+        "data.seq_len",
+        "divisible by 2 x cp = 6",
+    ),  # fmt: skip
+    "cp_ring_cpu": (
+        ["--trainer.strategy.init_args.cp=2", "--trainer.devices=2", "--trainer.strategy.init_args.cp_attention=ring"],
+        "trainer.strategy.init_args.cp_attention",
+        "no sharding rule for the CPU SDPA kernel",
+    ),  # fmt: skip
+    "cp_attention": (
+        ["--trainer.strategy.init_args.cp_attention=zigzag"],
+        "trainer.strategy.init_args.cp_attention",
+        "use one of allgather, ring",
+    ),  # fmt: skip
+    "cp_pp": (
+        ["--trainer.strategy.init_args.cp=2", "--trainer.strategy.init_args.pp=2", "--trainer.devices=4"],
+        "trainer.strategy.init_args.cp",
+        "use pp=1 with cp",
+    ),  # fmt: skip
     "grad_clip": (["--model.grad_clip=-1"], "model.grad_clip", ">= 0"),
 }
 

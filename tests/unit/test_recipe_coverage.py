@@ -13,6 +13,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "debug": ("trained", "e2e/test_quickstart.py"),
     "moe_debug": ("trained", "e2e/test_moe_recipe.py"),
     "pp_debug": ("trained", "e2e/test_pp_recipe.py"),
+    "cp_debug": ("trained", "e2e/test_cp_recipe.py"),
     "vlm_jd": ("trained", "e2e/test_vlm_recipes.py"),
     "vlm_cross_attn": ("trained", "e2e/test_vlm_recipes.py"),
     "vlm_mot": ("trained", "e2e/test_vlm_recipes.py"),
