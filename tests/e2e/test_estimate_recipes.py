@@ -209,3 +209,17 @@ def test_untied_8b_frees_the_head_weight_after_its_use(llama3_8b):
     emb_freed = gathered(embedding, "After Pre-Forward") - gathered(embedding, "After Post-Forward")
     assert emb_freed == pytest.approx(head_bytes, rel=0.01)  # the (vocab, dim) embedding, resharded after forward
     assert not any("." not in name for name in modules)  # the root unit holds no parameters of its own
+
+
+def test_llama31_8b_128k_fits_on_8_gpus_with_cp8_and_not_without(tmp_path):
+    """Issue 26 check 5: the 131,072-token recipe fits on 8 x 80 GB at cp=8 (the figures its header quotes) and
+    does not at cp=1 (a whole sequence per rank) on the same GPUs; the cp ranks shard the states (1/8 each)."""
+    folder = llama31_8b_config(tmp_path / "Llama-3.1-8B")
+    data = _estimate("llama31_8b_128k", 1, 8, f"--model.init_from={folder}")
+    _assert_fits_and_sharded(data, 8)
+    assert data["degrees"]["cp"] == 8
+    (role,) = data["roles"]
+    assert role["peak_bytes"] < 40e9
+    whole = _estimate("llama31_8b_128k", 1, 8, f"--model.init_from={folder}", "--trainer.strategy.init_args.cp=1")
+    assert not whole["verdict"]["fits"] and "does not fit" in whole["verdict"]["summary"]
+    assert whole["roles"][0]["peak_bytes"] > 2 * role["peak_bytes"]

@@ -23,7 +23,9 @@ CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"
 def test_recipe_instantiates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # loggers and checkpoint dirs land here, not in the repo
     args = ["--config", str(path)]
-    if path.stem.startswith("finetune"):  # the user's Hugging Face folder: a config.json is all instantiation reads
+    if (
+        path.stem.startswith("finetune") or "init_from: /path/to" in path.read_text()
+    ):  # the user's Hugging Face folder: a config.json is all instantiation reads
         folder = tmp_path / "hf"
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(HF_LLAMA))

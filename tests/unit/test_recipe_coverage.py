@@ -23,6 +23,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "finetune_llama": ("estimated", "e2e/test_estimate_recipes.py"),
     "finetune_debug": ("trained", "e2e/test_finetune_recipe.py"),
     "llama3_70b": ("estimated", "e2e/test_estimate_recipes.py"),
+    "llama31_8b_128k": ("estimated", "e2e/test_estimate_recipes.py"),
     "moe_16b": ("estimated", "e2e/test_estimate_recipes.py"),
     "7b_pp": ("estimated", "e2e/test_estimate_recipes.py"),
     "vlm_7b_siglip2": ("estimated", "e2e/test_estimate_recipes.py"),
