@@ -120,3 +120,39 @@ def test_model_without_the_cp_entry_is_refused_under_cp():
     k = torch.zeros(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match="needs the cp attention mask"):
         context_parallel_kv(k, k, object(), None)
+
+
+def _flex_vs_dense(device: str, backward: bool) -> None:
+    """Each cp rank's FlexAttention block mask (what CUDA runs) gives the dense mask's attention over the gathered
+    keys, packed documents included; with ``backward`` the gradients of q, k, v too."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    seq, cp = 256, 2
+    g = torch.Generator().manual_seed(2)
+    doc_ids = torch.cumsum(torch.rand(2, seq, generator=g) < 0.05, dim=1).to(device)
+    q, k, v = (torch.randn(2, 4, seq, 16, generator=g).to(device).requires_grad_(backward) for _ in range(3))
+    kernel = torch.compile(flex_attention) if device == "cuda" else flex_attention
+    for rank in range(cp):
+        shard = _shard(seq, cp, rank, doc_ids)
+        shard.positions, shard.key_positions = shard.positions.to(device), shard.key_positions.to(device)
+        rows, cols = shard.positions, shard.key_positions
+        args = (q[:, :, rows], k[:, :, cols], v[:, :, cols])
+        flex = kernel(*args, block_mask=shard.attention_mask(flex=True))
+        dense = F.scaled_dot_product_attention(*args, attn_mask=shard.attention_mask(flex=False))
+        torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+        if backward:
+            grads = [torch.autograd.grad(out.sum(), (q, k, v)) for out in (flex, dense)]
+            for a, b in zip(*grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_flex_block_mask_equals_the_dense_mask_on_cpu():
+    """CPU: FlexAttention's eager forward (torch 2.13 has no CPU backward) checks the block mask's rule."""
+    _flex_vs_dense("cpu", backward=False)
+
+
+@pytest.mark.gpu
+def test_flex_block_mask_equals_the_dense_mask_on_cuda_forward_and_backward():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _flex_vs_dense("cuda", backward=True)
