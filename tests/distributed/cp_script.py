@@ -1,6 +1,6 @@
 """Context-parallel training runs (issue 26), several per launch (each launch costs a rendezvous and imports).
 
-``--runs`` lists runs as ``name:key=value,...``; keys: ``cp``, ``tp``, ``sp`` (sequence parallel), ``dp_shard``,
+``--runs`` lists runs as ``name:key=value,...``; keys: ``cp``, ``tp``, ``ep``, ``sp`` (sequence parallel), ``dp_shard``,
 ``micro_batch`` (per data shard; default 8 / data shards), ``steps`` (default 5), ``docs`` (1: packed documents,
 ``document_masking``), ``ac`` (activation checkpointing mode), ``compile`` (1: per-block compile, ``aot_eager``),
 ``moe`` (1: the tiny MoE, ep=1), ``mla`` (1: multi-head latent attention), ``seq`` (tokens per sequence, default 32),
@@ -31,6 +31,7 @@ from tests.distributed.train_script import Recorder, tiny_config  # noqa: E402
 INT_KEYS = (
     "cp",
     "tp",
+    "ep",
     "sp",
     "dp_shard",
     "dp_replicate",
@@ -95,6 +96,7 @@ def run(name: str, opts: dict, args) -> dict:
         tp=tp,
         dp_shard=opts.get("dp_shard", -1),
         dp_replicate=opts.get("dp_replicate", 1),
+        ep=opts.get("ep", 1),
         sequence_parallel=bool(opts.get("sp")),
         activation_checkpointing=opts.get("ac", "none"),
         compile=bool(opts.get("compile")),
