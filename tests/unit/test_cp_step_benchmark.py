@@ -20,5 +20,5 @@ def test_tiny_run_reports_cp_and_dp_step_times(tmp_path):
     report = json.loads(out.read_text())
     assert report["tokens_per_step"] == 2 * 64
     for kind in ("cp", "dp"):
-        assert report[kind]["steps_timed"] == 3 and report[kind]["median_step_s"] > 0
+        assert report[kind]["steps_timed"] == 2 and report[kind]["median_step_s"] > 0
     assert report["cp_over_dp_step_time"] == report["cp"]["median_step_s"] / report["dp"]["median_step_s"]
