@@ -59,3 +59,16 @@ def write_random_llama(config, folder: Path, layers_per_file: int = 4, seed: int
     index = {"metadata": {"total_size": total * 4}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return total
+
+
+def tiny_llama_folder(folder: Path) -> Path:
+    """A random 2-layer, dim-64 ``LlamaForCausalLM`` folder with the GPT-2 vocabulary and tokenizer files (tied
+    embeddings), the size ``configs/finetune_debug.yaml`` is tested at."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True)  # fmt: skip
+    return save_random(
+        LlamaForCausalLM, config, folder, tokenizer=Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "gpt2"
+    )

@@ -82,6 +82,17 @@ def _sampler_states(node: Any, batches: int | None = None) -> list[tuple[dict[st
     return found
 
 
+def _counts(iter_state: dict[str, Any]) -> tuple[int, int]:
+    """(samples the sampler yielded in its current epoch, samples the loader yielded since its iterator started).
+
+    The sampler's count restarts at each of its epochs; the loader's (samples and ``_num_yielded`` batches) run on
+    over the epochs of one iterator. The position is the sampler's; the batch size is the loader's pair.
+    """
+    sampler = iter_state.get("sampler_state") or {}
+    total = int(iter_state.get("samples_yielded", sampler.get("yielded", 0)))
+    return int(sampler.get("yielded", total)), total
+
+
 def remap_loader_state(state: Any, saved_dp: int, dp: int, micro_batch_size: int | None = None) -> Any:
     """Move a train dataloader position saved at data-parallel degree ``saved_dp`` to degree ``dp``, exactly.
 
@@ -116,20 +127,20 @@ def remap_loader_state(state: Any, saved_dp: int, dp: int, micro_batch_size: int
         )
     for iter_state, batches in found:
         sampler = iter_state.get("sampler_state") or {}
-        yielded = int(sampler.get("yielded", iter_state.get("samples_yielded", 0)))
-        consumed = yielded * saved_dp
-        if consumed % dp:
-            raise DataParallelMismatchError(
-                f"Cannot remap the dataloader position from dp={saved_dp} to dp={dp}: the run consumed "
-                f"{yielded} samples per rank x {saved_dp} ranks = {consumed} samples of the epoch, not divisible "
-                f"by dp={dp}. Resume with dp_replicate*dp_shard={saved_dp}, or a dp that divides {consumed}."
-            )
-        _check_global_batch(yielded, batches, saved_dp, dp, micro_batch_size)
-        new = consumed // dp
+        yielded, total = _counts(iter_state)
+        for count in {yielded, total}:
+            if count * saved_dp % dp:
+                raise DataParallelMismatchError(
+                    f"Cannot remap the dataloader position from dp={saved_dp} to dp={dp}: the run consumed "
+                    f"{count} samples per rank x {saved_dp} ranks = {count * saved_dp} samples, not divisible "
+                    f"by dp={dp}. Resume with dp_replicate*dp_shard={saved_dp}, or a dp that divides "
+                    f"{count * saved_dp}."
+                )
+        _check_global_batch(total, batches, saved_dp, dp, micro_batch_size)
         if "sampler_state" in iter_state:
-            sampler["yielded"] = new
+            sampler["yielded"] = yielded * saved_dp // dp
         if "samples_yielded" in iter_state:
-            iter_state["samples_yielded"] = new
+            iter_state["samples_yielded"] = total * saved_dp // dp
     return state
 
 
@@ -211,9 +222,7 @@ def merge_rank_state(
         loader = remap_loader_state(loader, int(saved), dp_size, micro_batch_size)
     elif loader is not None:  # the same degree: the position holds as saved, but the global batch must too
         for iter_state, batches in _sampler_states(loader):
-            sampler = iter_state.get("sampler_state") or {}
-            yielded = int(sampler.get("yielded", iter_state.get("samples_yielded", 0)))
-            _check_global_batch(yielded, batches, dp_size, dp_size, micro_batch_size)
+            _check_global_batch(_counts(iter_state)[1], batches, dp_size, dp_size, micro_batch_size)
     restore_rng_state(rank_state["rng"])
     parent = _loader_parent(checkpoint)
     if parent is not None and loader is not None:

@@ -18,6 +18,7 @@ from kempnerforge.data.memmap import MemmapTokenDataset
 from kempnerforge.data.prepare import METADATA_FILE, is_prepare_artifact
 from kempnerforge.data.prepare import prepare_data as _prepare_shards
 from kempnerforge.data.sources import source_fingerprint
+from kempnerforge.data.worker_signals import ignore_stop_signals
 from kempnerforge.errors import UserError
 
 
@@ -31,7 +32,10 @@ class ResumableDistributedSampler(StatefulDistributedSampler):
     Why the epoch: Lightning creates the train iterator when it restores a checkpoint, *before*
     it calls ``set_epoch``, and ``DistributedSampler`` draws its permutation when iterated; with
     the epoch restored first, a mid-epoch resume continues the right permutation. A state saved
-    at the end of epoch ``e`` resumes at the start of epoch ``e + 1``.
+    at the end of epoch ``e`` yields nothing more in epoch ``e``; Lightning then starts epoch ``e + 1``
+    (``set_epoch(e + 1)``), which starts at its first index: the sampler's epoch stays Lightning's. (It
+    used to start epoch ``e + 1`` inside Lightning's restarted epoch ``e``; the next resume then replayed
+    epoch ``e + 1``.)
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -39,14 +43,21 @@ class ResumableDistributedSampler(StatefulDistributedSampler):
         return {**super().state_dict(), "epoch": self.epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores epoch and position; takes effect at the next ``iter()``."""
+        """Restores epoch and position; takes effect at the next ``iter()`` of the same epoch. A position from an
+        epoch before the one Lightning already set is stale and ignored: a ``StatefulDataLoader`` with workers applies
+        a restored state at its next ``iter()``, which is the next epoch's when Lightning finishes the restored epoch
+        without iterating it (a checkpoint written after the epoch's last batch)."""
+        epoch = int(state_dict.get("epoch", self.epoch))
+        if epoch < self.epoch:
+            return
         super().load_state_dict(state_dict)
-        self.epoch = int(state_dict.get("epoch", self.epoch))
-        if self.next_yielded is not None and self.next_yielded >= self.num_samples:
-            # The saved epoch was finished: resume at the start of the next one. Bumping the epoch
-            # here matters with workers, which draw indices as soon as the iterator exists.
+        self.epoch = epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning's epoch: a restored position holds only within its own epoch (another one starts at 0)."""
+        if epoch != self.epoch:
             self.next_yielded = None
-            self.epoch += 1
+        super().set_epoch(epoch)
 
 
 class ResumableLoaders(L.LightningDataModule):
@@ -265,6 +276,7 @@ def resumable_loader(
         collate_fn=collate_fn,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        worker_init_fn=ignore_stop_signals,  # a group signal must not kill the workers first
     )
 
 

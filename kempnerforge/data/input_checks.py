@@ -17,7 +17,14 @@ from kempnerforge.errors import PathError
 __all__ = ["check_source", "check_tokenizer", "check_writable"]
 
 #: Files a local tokenizer folder holds (``tokenizers``' ``tokenizer.json``, or what ``AutoTokenizer`` reads).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
 
 
 def check_tokenizer(path: str | os.PathLike, field: str) -> None:

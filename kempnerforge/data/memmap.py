@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import copy
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any

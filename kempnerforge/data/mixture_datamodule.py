@@ -15,6 +15,7 @@ from typing_extensions import override
 from kempnerforge.data.datamodule import TokenDataModule, scans_token_ids
 from kempnerforge.data.memmap import MemmapTokenDataset
 from kempnerforge.data.mixture import AnnealingPhase, MixtureSampler, MixtureSchedule, MixtureSource
+from kempnerforge.data.worker_signals import ignore_stop_signals
 
 
 class SourceTagged(Dataset):
@@ -152,6 +153,7 @@ class MixtureDataModule(TokenDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=ignore_stop_signals,  # a group signal must not kill the workers first
         )
 
     def state_summary(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing_extensions import override
 from kempnerforge.data.hf_dataset import PackedTokenStream
 from kempnerforge.data.prepare import load_tokenizer
 from kempnerforge.data.sources import check_dataset_spec
+from kempnerforge.data.worker_signals import ignore_stop_signals
 
 # Windows the endless training stream reports as its length (about 10**12): no run reaches it.
 ENDLESS_WINDOWS = 2**40
@@ -118,6 +119,7 @@ class StreamingTokenDataModule(L.LightningDataModule):
             num_workers=workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=workers > 0,
+            worker_init_fn=ignore_stop_signals,  # a group signal must not kill the workers first
         )
 
     def _train_windows(self) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import threading
 import time
@@ -125,6 +126,23 @@ def test_dataloader_position_is_remapped_exactly_across_dp_degrees(saved_dp, mic
     assert state["_num_yielded"] == 5  # batches (and the global step) are unchanged
 
 
+def test_a_position_past_the_samplers_first_epoch_keeps_its_batch_size():
+    """The sampler's count restarts each epoch while the loader's run on (one iterator over the cycling sampler): 4
+    batches of 4 in epoch 1 of a 12-sample rank shard. The global batch is the loader's 16 / 4, not 8 / 4 (which
+    refused every same-batch resume after the first epoch); both counts are remapped."""
+    (state,) = _loader_state(batches=4, micro_batch=4)
+    state["_sampler_iter_state"]["sampler_state"] = {"yielded": 4, "epoch": 1}
+    ckpt = _checkpoint([state])
+    merge_rank_state(ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=2, micro_batch_size=4)
+    ckpt = _checkpoint([copy.deepcopy(state)])
+    merge_rank_state(ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=1, micro_batch_size=8)
+    (moved,) = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert moved["_sampler_iter_state"] == {"samples_yielded": 32, "sampler_state": {"yielded": 8, "epoch": 1}}
+    ckpt = _checkpoint([copy.deepcopy(state)])
+    with pytest.raises(DataParallelMismatchError, match=r"saved micro_batch_size\*dp = 4\*2 = 8, this run has 2\*2"):
+        merge_rank_state(ckpt, split_rank_state(ckpt, dp_rank=0, dp_size=2), dp_rank=0, dp_size=2, micro_batch_size=2)
+
+
 def test_remapped_position_resumes_the_same_samples():
     """The sampler at dp=1 with the remapped position yields exactly what the 2 ranks would have yielded next."""
     from kempnerforge.checkpoint.train_state import remap_loader_state
@@ -142,7 +160,7 @@ def test_remapped_position_resumes_the_same_samples():
 def test_remap_refuses_indivisible_positions_and_a_changed_global_batch():
     with pytest.raises(
         DataParallelMismatchError,
-        match=r"consumed 3 samples per rank x 1 ranks = 3 samples of the epoch, not divisible by dp=2",
+        match=r"consumed 3 samples per rank x 1 ranks = 3 samples, not divisible by dp=2",
     ):
         merge_rank_state(
             _ck := _checkpoint(_loader_state(batches=1, micro_batch=3)),

@@ -104,12 +104,18 @@ def test_stateful_loader_resumes_mid_epoch_and_across_epochs(workers):
     fresh, _ = loader(60, 4, workers=workers)
     fresh.load_state_dict(state)
     assert first + [b.tolist() for b in fresh] == epoch1
-    # A state saved at the end of epoch 1 resumes at the start of epoch 2.
+    # A state saved at the end of epoch 1 yields nothing more of epoch 1 (Lightning's restarted epoch ends at once),
+    # then Lightning's set_epoch(2) starts epoch 2 from its first batch: the sampler's epoch stays Lightning's.
+    # Saved as Lightning saves it: after the epoch's last batch, before the iterator has raised StopIteration.
     done, done_sampler = loader(60, 4, workers=workers)
     done_sampler.set_epoch(1)
-    assert [b.tolist() for b in done] == epoch1
-    nxt, _ = loader(60, 4, workers=workers)
+    it = iter(done)
+    assert [next(it).tolist() for _ in epoch1] == epoch1
+    nxt, nxt_sampler = loader(60, 4, workers=workers)
     nxt.load_state_dict(done.state_dict())
+    nxt_sampler.set_epoch(1)
+    assert [b.tolist() for b in nxt] == []
+    nxt_sampler.set_epoch(2)
     assert [b.tolist() for b in nxt] == epoch2
 
 
@@ -256,3 +262,18 @@ def test_setup_errors(prepared, tmp_path):
 def test_constructor_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TokenDataModule("unused", **kwargs)
+
+
+def test_a_position_from_an_earlier_epoch_than_the_one_set_is_ignored():
+    """A StatefulDataLoader with workers applies a restored state at its next iter(); when Lightning finished the
+    restored epoch without iterating it, that is epoch e + 1's iter(), after set_epoch(e + 1): the stale position
+    (epoch e, all of it yielded) must not empty or rewind epoch e + 1."""
+    ref, ref_sampler = loader(60, 4)
+    ref_sampler.set_epoch(2)
+    epoch2 = [b.tolist() for b in ref]
+    dl, sampler = loader(60, 4)
+    sampler.set_epoch(2)
+    sampler.load_state_dict({"yielded": 60, "epoch": 1})
+    assert sampler.epoch == 2 and [b.tolist() for b in dl] == epoch2
+    sampler.load_state_dict({"yielded": 8, "epoch": 2})  # the same epoch: the position holds
+    assert [b.tolist() for b in dl] == epoch2[2:]
