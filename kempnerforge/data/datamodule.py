@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -23,41 +24,43 @@ from kempnerforge.errors import UserError
 
 
 class ResumableDistributedSampler(StatefulDistributedSampler):
-    """``DistributedSampler`` whose ``state_dict`` holds the epoch as well as the position.
+    """``DistributedSampler`` whose ``state_dict`` holds the epoch as well as the position, and which owns its epoch.
 
     Rank ``r`` of ``R`` takes indices ``perm[r::R]`` of one seeded permutation per epoch
     (``torch.utils.data.DistributedSampler``), so a step's global batch is the same set of windows
     at any data-parallel size with the same global batch size.
 
-    Why the epoch: Lightning creates the train iterator when it restores a checkpoint, *before*
-    it calls ``set_epoch``, and ``DistributedSampler`` draws its permutation when iterated; with
-    the epoch restored first, a mid-epoch resume continues the right permutation. A state saved
-    at the end of epoch ``e`` yields nothing more in epoch ``e``; Lightning then starts epoch ``e + 1``
-    (``set_epoch(e + 1)``), which starts at its first index: the sampler's epoch stays Lightning's. (It
-    used to start epoch ``e + 1`` inside Lightning's restarted epoch ``e``; the next resume then replayed
-    epoch ``e + 1``.)
+    The epoch is the sampler's own: an iteration after one that handed out the whole epoch is the next epoch, and
+    ``set_epoch`` only moves it forward. Lightning's epoch counter is not reliable after a restore at an epoch's end: it
+    creates the iterator before it calls ``set_epoch`` (a loader with workers draws indices at once), and after
+    such a restart its counter lags the data by one epoch, so obeying a ``set_epoch`` that goes back replayed an
+    epoch on the next resume. A state saved after an epoch's last index resumes at the start of the next epoch.
     """
+
+    def __iter__(self) -> Iterator[int]:
+        if self.next_yielded is None and self.yielded >= self.num_samples:
+            # The last iteration handed out the whole epoch (whether or not it was run to StopIteration) and nothing
+            # moved the epoch since: this one is the next epoch.
+            self.epoch, self.yielded = self.epoch + 1, 0
+        return super().__iter__()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"yielded": indices handed out this epoch, "epoch": int}``."""
         return {**super().state_dict(), "epoch": self.epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores epoch and position; takes effect at the next ``iter()`` of the same epoch. A position from an
-        epoch before the one Lightning already set is stale and ignored: a ``StatefulDataLoader`` with workers applies
-        a restored state at its next ``iter()``, which is the next epoch's when Lightning finishes the restored epoch
-        without iterating it (a checkpoint written after the epoch's last batch)."""
-        epoch = int(state_dict.get("epoch", self.epoch))
-        if epoch < self.epoch:
-            return
+        """Restores epoch and position; takes effect at the next ``iter()``."""
         super().load_state_dict(state_dict)
-        self.epoch = epoch
+        self.epoch = int(state_dict.get("epoch", self.epoch))
+        if self.next_yielded is not None and self.next_yielded >= self.num_samples:
+            self.next_yielded, self.epoch = None, self.epoch + 1  # the saved epoch was finished
 
     def set_epoch(self, epoch: int) -> None:
-        """Lightning's epoch: a restored position holds only within its own epoch (another one starts at 0)."""
-        if epoch != self.epoch:
-            self.next_yielded = None
-        super().set_epoch(epoch)
+        """Move to ``epoch`` when it is later than the sampler's own (a restored position does not carry over);
+        an earlier or equal one is ignored (see the class docstring)."""
+        if epoch > self.epoch:
+            self.next_yielded, self.yielded = None, 0
+            super().set_epoch(epoch)
 
 
 class ResumableLoaders(L.LightningDataModule):

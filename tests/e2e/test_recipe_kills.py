@@ -33,9 +33,4 @@ def test_sigterm_to_the_group_stops_75_and_the_rerun_matches(recipe, tmp_path, s
     killed = result.codes[:-1]
     assert killed == [75] and result.codes[-1] == 0 and max(result.exit_s) < 30, (result, log_tail(tmp_path))
     assert 0 < result.stopped_at[0] < 6
-    if recipe == "vlm_video" and result.max_loss_diff > 1e-6:
-        # Known, not fixed: with DataLoader workers, a resume from a checkpoint written after an epoch's last batch
-        # skips the next epoch under Lightning (the loader alone resumes right: tests/unit/test_datamodule.py).
-        # vlm_video at 2 processes has one clip per rank per epoch, so every checkpoint is at an epoch's end.
-        pytest.xfail(f"multi-worker resume at an epoch end skips an epoch (loss diff {result.max_loss_diff:.3g})")
     assert result.max_loss_diff <= 1e-6, (result, log_tail(tmp_path))

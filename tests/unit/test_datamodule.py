@@ -88,6 +88,7 @@ def test_stateful_loader_resumes_mid_epoch_and_across_epochs(workers):
     epoch1 = [b.tolist() for b in ref]
     ref_sampler.set_epoch(2)
     epoch2 = [b.tolist() for b in ref]
+    epoch3 = [b.tolist() for b in ref]  # the sampler moves on by itself after a whole epoch
 
     dl, sampler = loader(60, 4, workers=workers)
     sampler.set_epoch(1)
@@ -104,19 +105,21 @@ def test_stateful_loader_resumes_mid_epoch_and_across_epochs(workers):
     fresh, _ = loader(60, 4, workers=workers)
     fresh.load_state_dict(state)
     assert first + [b.tolist() for b in fresh] == epoch1
-    # A state saved at the end of epoch 1 yields nothing more of epoch 1 (Lightning's restarted epoch ends at once),
-    # then Lightning's set_epoch(2) starts epoch 2 from its first batch: the sampler's epoch stays Lightning's.
-    # Saved as Lightning saves it: after the epoch's last batch, before the iterator has raised StopIteration.
+    # A state saved at the end of epoch 1 (as Lightning saves it: after the last batch, before the iterator has raised
+    # StopIteration) resumes at the start of epoch 2, whichever epoch Lightning sets next: 1 (its counter lags after a
+    # restart at an epoch's end) or 2; and the epoch after it is 3.
     done, done_sampler = loader(60, 4, workers=workers)
     done_sampler.set_epoch(1)
     it = iter(done)
     assert [next(it).tolist() for _ in epoch1] == epoch1
-    nxt, nxt_sampler = loader(60, 4, workers=workers)
-    nxt.load_state_dict(done.state_dict())
-    nxt_sampler.set_epoch(1)
-    assert [b.tolist() for b in nxt] == []
-    nxt_sampler.set_epoch(2)
-    assert [b.tolist() for b in nxt] == epoch2
+    state = done.state_dict()
+    for lightning_epoch in (1, 2):
+        nxt, nxt_sampler = loader(60, 4, workers=workers)
+        nxt.load_state_dict(state)
+        nxt_sampler.set_epoch(lightning_epoch)
+        assert [b.tolist() for b in nxt] == epoch2
+        nxt_sampler.set_epoch(lightning_epoch + 1)
+        assert [b.tolist() for b in nxt] == epoch3
 
 
 class Recorder(L.LightningModule):
@@ -171,6 +174,50 @@ def test_lightning_resume_mid_second_epoch_is_exact(prepared, tmp_path):
     resumed = Recorder()
     fit(resumed, 40, ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=27.ckpt"))
     assert first.seen + resumed.seen == ref.seen
+
+
+class StopAt(L.Callback):
+    """Save and stop at ``step`` the way ``Preemption`` does (``trainer.should_stop`` in ``on_train_batch_end``)."""
+
+    def __init__(self, step: int, path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("stop", ["max_steps", "should_stop"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lightning_resumes_twice_at_epoch_ends_exactly(prepared, tmp_path, workers, stop):
+    """Checkpoints after an epoch's last batch (7 steps of 12 windows per epoch), resumed, and the resumed run's own epoch-end
+    checkpoint resumed again: every step's samples equal the uninterrupted run's. Lightning's epoch counter lags the
+    data after such a restart; a sampler that obeyed it replayed an epoch at the second resume (workers 0) or
+    skipped one at the first (workers 2, which draw indices when the iterator is built)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(model, steps, ckpt_path=None, folder="ckpt"):
+        callbacks = [ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=7, save_top_k=-1)]
+        if stop == "should_stop" and steps < 21:
+            callbacks, steps = [StopAt(steps, tmp_path / folder / f"stop-step={steps}.ckpt")], 100
+        dm = TokenDataModule(str(prepared), seq_len=64, micro_batch_size=12, val_fraction=0.1, vocab_size=50304,
+                             num_workers=workers)  # fmt: skip
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                            default_root_dir=tmp_path, callbacks=callbacks)  # fmt: skip
+        trainer.fit(model, dm, ckpt_path=ckpt_path)
+
+    ref = Recorder()
+    fit(ref, 21, folder="reference")
+    runs = [Recorder(), Recorder(), Recorder()]
+    fit(runs[0], 7)
+    (first,) = (tmp_path / "ckpt").glob("*step=7.ckpt")
+    fit(runs[1], 14, ckpt_path=str(first))
+    (second,) = (tmp_path / "ckpt").glob("*step=14.ckpt")
+    fit(runs[2], 21, ckpt_path=str(second))
+    assert [len(r.seen) for r in runs] == [7, 7, 7]
+    assert sum((r.seen for r in runs), []) == ref.seen
 
 
 def test_setup_split_sizes_and_batches(prepared):
@@ -264,16 +311,16 @@ def test_constructor_errors(kwargs, message):
         TokenDataModule("unused", **kwargs)
 
 
-def test_a_position_from_an_earlier_epoch_than_the_one_set_is_ignored():
-    """A StatefulDataLoader with workers applies a restored state at its next iter(); when Lightning finished the
-    restored epoch without iterating it, that is epoch e + 1's iter(), after set_epoch(e + 1): the stale position
-    (epoch e, all of it yielded) must not empty or rewind epoch e + 1."""
+def test_the_sampler_owns_its_epoch_and_set_epoch_only_moves_it_forward():
+    """After a whole epoch the sampler is in the next one; a set_epoch that goes back (Lightning's lagging counter after
+    a restart at an epoch's end) is ignored, a later one starts that epoch at its first index."""
     ref, ref_sampler = loader(60, 4)
-    ref_sampler.set_epoch(2)
-    epoch2 = [b.tolist() for b in ref]
+    epochs = [[b.tolist() for b in ref] for _ in range(4)]
+    assert ref_sampler.epoch == 3 and len({str(e) for e in epochs}) == 4  # four different permutations
     dl, sampler = loader(60, 4)
-    sampler.set_epoch(2)
-    sampler.load_state_dict({"yielded": 60, "epoch": 1})
-    assert sampler.epoch == 2 and [b.tolist() for b in dl] == epoch2
-    sampler.load_state_dict({"yielded": 8, "epoch": 2})  # the same epoch: the position holds
-    assert [b.tolist() for b in dl] == epoch2[2:]
+    sampler.load_state_dict({"yielded": 8, "epoch": 1})
+    sampler.set_epoch(0)  # back: ignored, the position holds
+    assert [b.tolist() for b in dl] == epochs[1][2:]
+    sampler.load_state_dict({"yielded": 8, "epoch": 1})
+    sampler.set_epoch(3)  # forward: epoch 3 from its start
+    assert [b.tolist() for b in dl] == epochs[3]
