@@ -35,10 +35,26 @@ class ResumableDistributedSampler(StatefulDistributedSampler):
     creates the iterator before it calls ``set_epoch`` (a loader with workers draws indices at once), and after
     such a restart its counter lags the data by one epoch, so obeying a ``set_epoch`` that goes back replayed an
     epoch on the next resume. A state saved after an epoch's last index resumes at the start of the next epoch.
+
+    Args (besides ``DistributedSampler``'s):
+        loader_batch_size: the batch size of a loader that drops its last partial batch (training): the epoch is
+            finished once every full batch is handed out, so a state saved after the last full batch resumes at
+            the next epoch instead of handing out the remainder, which the loader drops. None: every index counts.
     """
 
+    def __init__(self, *args: Any, loader_batch_size: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loader_batch_size = loader_batch_size
+
+    @property
+    def epoch_end(self) -> int:
+        """Indices handed out when this rank's epoch is finished: ``num_samples`` less the dropped partial batch."""
+        if self.loader_batch_size is None:
+            return self.num_samples
+        return self.num_samples - self.num_samples % self.loader_batch_size
+
     def __iter__(self) -> Iterator[int]:
-        if self.next_yielded is None and self.yielded >= self.num_samples:
+        if self.next_yielded is None and self.yielded >= self.epoch_end:
             # The last iteration handed out the whole epoch (whether or not it was run to StopIteration) and nothing
             # moved the epoch since: this one is the next epoch.
             self.epoch, self.yielded = self.epoch + 1, 0
@@ -52,8 +68,10 @@ class ResumableDistributedSampler(StatefulDistributedSampler):
         """Restores epoch and position; takes effect at the next ``iter()``."""
         super().load_state_dict(state_dict)
         self.epoch = int(state_dict.get("epoch", self.epoch))
-        if self.next_yielded is not None and self.next_yielded >= self.num_samples:
-            self.next_yielded, self.epoch = None, self.epoch + 1  # the saved epoch was finished
+        if self.next_yielded is not None and self.next_yielded >= self.epoch_end:
+            # The saved epoch was finished. Lightning (which counts the epoch finished too) calls set_epoch(epoch + 1)
+            # only after a loader with workers has drawn this iteration's indices: the remainder, to be dropped.
+            self.next_yielded, self.epoch = None, self.epoch + 1
 
     def set_epoch(self, epoch: int) -> None:
         """Move to ``epoch`` when it is later than the sampler's own (a restored position does not carry over);
@@ -268,8 +286,9 @@ def resumable_loader(
     few samples counted twice), so no held-out sample is skipped.
     """
     sampler = ResumableDistributedSampler(
-        dataset, num_replicas=dp, rank=rank, shuffle=train, seed=data_seed, drop_last=train
-    )
+        dataset, num_replicas=dp, rank=rank, shuffle=train, seed=data_seed, drop_last=train,
+        loader_batch_size=micro_batch_size if train else None,
+    )  # fmt: skip
     return StatefulDataLoader(
         dataset,
         batch_size=micro_batch_size,

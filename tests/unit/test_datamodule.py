@@ -188,35 +188,45 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
-@pytest.mark.parametrize("stop", ["max_steps", "should_stop"])
-@pytest.mark.parametrize("workers", [0, 2])
-def test_lightning_resumes_twice_at_epoch_ends_exactly(prepared, tmp_path, workers, stop):
-    """Checkpoints after an epoch's last batch (7 steps of 12 windows per epoch), resumed, and the resumed run's own epoch-end
-    checkpoint resumed again: every step's samples equal the uninterrupted run's. Lightning's epoch counter lags the
-    data after such a restart; a sampler that obeyed it replayed an epoch at the second resume (workers 0) or
-    skipped one at the first (workers 2, which draw indices when the iterator is built)."""
+@pytest.mark.parametrize(
+    "stop, workers, micro_batch",
+    [("max_steps", 0, 12), ("max_steps", 2, 12), ("should_stop", 0, 12), ("should_stop", 2, 12),
+     ("max_steps", 0, 10), ("max_steps", 2, 10), ("should_stop", 0, 10), ("should_stop", 2, 10)],
+)  # fmt: skip
+def test_lightning_resumes_twice_at_epoch_ends_exactly(prepared, tmp_path, workers, stop, micro_batch):
+    """Checkpoints after an epoch's last batch (84 training windows: 7 steps of 12, or 8 steps of 10 with the last 4
+    windows dropped), resumed, and the resumed run's own epoch-end checkpoint resumed again: every step's samples
+    equal the uninterrupted run's. Lightning's epoch counter lags the data after such a restart; a sampler that
+    obeyed it replayed an epoch at the second resume (workers 0) or skipped one at the first (workers 2, which draw
+    indices when the iterator is built). With a dropped remainder the checkpoint holds a position short of the
+    epoch's end: the resumed loader hands out those 4 windows, drops them as the partial batch and starts the next
+    epoch."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    per_epoch = 84 // micro_batch
+
     def fit(model, steps, ckpt_path=None, folder="ckpt"):
-        callbacks = [ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=7, save_top_k=-1)]
-        if stop == "should_stop" and steps < 21:
+        callbacks = [ModelCheckpoint(dirpath=tmp_path / folder, every_n_train_steps=per_epoch, save_top_k=-1)]
+        if stop == "should_stop" and steps < 3 * per_epoch:
             callbacks, steps = [StopAt(steps, tmp_path / folder / f"stop-step={steps}.ckpt")], 100
-        dm = TokenDataModule(str(prepared), seq_len=64, micro_batch_size=12, val_fraction=0.1, vocab_size=50304,
-                             num_workers=workers)  # fmt: skip
+        dm = TokenDataModule(str(prepared), seq_len=64, micro_batch_size=micro_batch, val_fraction=0.1,
+                             vocab_size=50304, num_workers=workers)  # fmt: skip
         trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
                             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                             default_root_dir=tmp_path, callbacks=callbacks)  # fmt: skip
         trainer.fit(model, dm, ckpt_path=ckpt_path)
 
     ref = Recorder()
-    fit(ref, 21, folder="reference")
+    fit(ref, 3 * per_epoch, folder="reference")
+    epochs = [ref.seen[i * per_epoch : (i + 1) * per_epoch] for i in range(3)]
+    assert len({tuple(batch) for batch in epochs[0]}) == per_epoch and epochs[0] != epochs[1] != epochs[2]
     runs = [Recorder(), Recorder(), Recorder()]
-    fit(runs[0], 7)
-    (first,) = (tmp_path / "ckpt").glob("*step=7.ckpt")
-    fit(runs[1], 14, ckpt_path=str(first))
-    (second,) = (tmp_path / "ckpt").glob("*step=14.ckpt")
-    fit(runs[2], 21, ckpt_path=str(second))
-    assert [len(r.seen) for r in runs] == [7, 7, 7]
+    fit(runs[0], per_epoch)
+    (first,) = (tmp_path / "ckpt").glob(f"*step={per_epoch}.ckpt")
+    fit(runs[1], 2 * per_epoch, ckpt_path=str(first))
+    (second,) = (tmp_path / "ckpt").glob(f"*step={2 * per_epoch}.ckpt")
+    fit(runs[2], 3 * per_epoch, ckpt_path=str(second))
+    assert [len(r.seen) for r in runs] == [per_epoch] * 3
     assert sum((r.seen for r in runs), []) == ref.seen
 
 
