@@ -7,6 +7,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 #: Columns of Lightning's summary left out: FLOPs are counted by running a forward on ``example_input_array``.
@@ -35,7 +36,9 @@ class ModelSummary(LightningModelSummary):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Print the summary on global rank 0 (every rank summarizes: it only counts parameters)."""
+        """Log the summary on global rank 0 through Lightning's logger, as Lightning's own summary is (``kforge``
+        holds it with the distributed banner until the run's checks pass); every rank summarizes: it only counts
+        parameters."""
         if not self._max_depth:
             return
         summary = self._summary(trainer, pl_module)
@@ -45,7 +48,7 @@ class ModelSummary(LightningModelSummary):
                 data, summary.total_parameters, summary.trainable_parameters, summary.model_size,
                 summary.total_training_modes,
             )  # fmt: skip
-            print(text, flush=True)
+            rank_zero_info(text)
 
 
 def format_summary(

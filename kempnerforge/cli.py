@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import jsonargparse
 import yaml
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import Callback, LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
@@ -41,6 +41,9 @@ from kempnerforge.strategies import KempnerStrategy
 _RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("kforge_running", default=False)
 #: Lightning's log lines held back until the pre-run checks pass (:class:`~kempnerforge.cli_errors.HeldLogs`).
 _HELD: contextvars.ContextVar[HeldLogs | None] = contextvars.ContextVar("kforge_held_logs", default=None)
+#: Seconds after the pre-run checks that held log lines show even if the loop has not started (a rendezvous waiting
+#: for other nodes, a large model's materialization): long enough for a start on one node, short against a hang.
+HOLD_AFTER_CHECKS_S = 30.0
 #: File in a WandbLogger's ``save_dir`` holding the run id that a resumed run continues.
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
@@ -254,8 +257,34 @@ class KForgeCLI(LightningCLI):
         preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"), self.subcommand, precision)
         _RUNNING.set(True)
         held = _HELD.get()
-        if held is not None:
-            held.show()
+        if held is not None:  # shown when the loop starts: a check that needs the process group refuses in one line
+            held.release_after(HOLD_AFTER_CHECKS_S)
+            self.trainer.callbacks.append(ShowHeldLogs(held))
+
+
+class ShowHeldLogs(Callback):
+    """Prints the log lines :class:`~kempnerforge.cli_errors.HeldLogs` kept back (the distributed banner, the model
+    summary) when the loop starts, after the checks that need the process group (the restored checkpoint's global
+    batch and checksums) have passed. Internal to ``kforge``; holds no state."""
+
+    def __init__(self, held: HeldLogs) -> None:
+        self.held = held
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.held.show()
+
+    @override
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.held.show()  # validate; in fit, the sanity check runs before on_train_start
+
+    @override
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self.held.show()
+
+    @override
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self.held.show()
 
 
 def requested_subcommand(args: Any) -> str | None:

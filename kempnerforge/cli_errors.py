@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
+import tempfile
+import threading
+import zlib
+from pathlib import Path
 from typing import Any, NoReturn
 
 #: Typed errors of the library that only describe the user's input (class names, any module).
@@ -211,7 +216,7 @@ def error_line(exc: BaseException) -> str:
     else:
         message = " ".join(str(exc).split())  # one line, whatever the message held
         field = exc.field if isinstance(exc, UserError) else infer_field(message, default=_default_field(exc))
-    return f"kforge: error: {field}: {message}"
+    return f"kforge: error: {field}: {message.removeprefix(f'{field}: ')}"  # a message that starts with its field
 
 
 def _default_field(exc: BaseException) -> str:
@@ -231,17 +236,54 @@ def exit_with_error(exc: BaseException) -> None:
     Raises:
         SystemExit: always, code 2 (chained to ``exc``, so ``python -X dev`` users can still see it).
     """
-    print(error_line(exc), file=sys.stderr, flush=True)
+    line = error_line(exc)
+    if not said_by_another_rank(line):
+        print(line, file=sys.stderr, flush=True)
     raise SystemExit(2) from exc
 
 
-class HeldLogs(logging.Handler):
-    """Log lines from the start of a command (Lightning's ``Seed set to``, ``GPU available``, tips; warnings of
-    libraries that log through the root logger), held back
-    until the run's checks pass (:meth:`show` prints them then) and dropped when the command ends in a user
-    error, so a refused command prints its one ``kforge: error`` line and nothing else.
+def said_by_another_rank(line: str) -> bool:
+    """Whether another process of this multi-process run, on this node, printed ``line`` already: the ranks of a
+    run usually refuse the same input at the same check, and the run should say it once (once per node: nodes
+    share no folder we may assume). A rank whose line differs (its own file is corrupt) still prints it. The
+    marker is an empty file in the temp folder named by the run (the launcher's process id and port) and a
+    checksum of the line; False (print) for a single process or when the folder cannot be written."""
+    run = _run_key()
+    if run is None:
+        return False
+    marker = Path(tempfile.gettempdir()) / f"kforge-said-{run}-{zlib.crc32(line.encode()):08x}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return True
+    except OSError:
+        return False
+    return False
 
-    :meth:`hold` at the start, then :meth:`show` (checks passed, or any other ending) or :meth:`drop`.
+
+def _run_key() -> str | None:
+    """One name per run for the processes of a node: the launcher's process id (Lightning's launcher is local rank
+    0 itself; under ``srun`` / ``torchrun`` every rank's parent), the rendezvous port and the job (``torchrun``'s run
+    id, SLURM's job and step); None before any launcher ran (one process)."""
+    env = os.environ
+    if "MASTER_PORT" not in env:  # set by every launcher; WORLD_SIZE is not kept (Lightning's teardown drops it)
+        return None
+    external = "SLURM_PROCID" in env or "TORCHELASTIC_RUN_ID" in env
+    launcher = os.getppid() if external or env.get("LOCAL_RANK", "0") != "0" else os.getpid()
+    job = env.get("TORCHELASTIC_RUN_ID") or f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
+    return "-".join(re.sub(r"[^\w.]", "_", str(part)) for part in (launcher, env["MASTER_PORT"], job))
+
+
+class HeldLogs(logging.Handler):
+    """Log lines from the start of a command (Lightning's ``Seed set to``, ``GPU available``, ``Initializing
+    distributed``, the model summary; warnings of libraries that log through the root logger), held back until the
+    run's checks pass, those after the process group starts included (the restored checkpoint's global batch, its
+    checksums), and dropped when the command ends in a user error, so a refused command prints its one
+    ``kforge: error`` line and nothing else.
+
+    :meth:`hold` at the start, then :meth:`show` (the loop starts, or any other ending) or :meth:`drop`;
+    :meth:`release_after` shows them anyway once a slow start (a rendezvous waiting for other nodes, a large
+    model's materialization) has taken that long, so a hang never hides its last lines.
     """
 
     #: The root logger (libraries without handlers of their own, e.g. torchao's missing-kernel warning on CPU)
@@ -252,19 +294,41 @@ class HeldLogs(logging.Handler):
         super().__init__(level=logging.NOTSET)
         self.records: list[logging.LogRecord] = []
         self._saved: dict[str, tuple[list[logging.Handler], bool]] = {}
+        self._guard = threading.RLock()  # the release timer's thread and the main thread
+        self._timer: threading.Timer | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+        with self._guard:
+            if self._saved:
+                self.records.append(record)
+                return
+        logging.getLogger(record.name).handle(record)  # shown meanwhile: a logger still pointing here passes it on
 
     def hold(self) -> HeldLogs:
         """Replace the handlers of Lightning's loggers by this one (until :meth:`show` / :meth:`drop`)."""
-        for name in self.LOGGERS:
-            logger = logging.getLogger(name)
-            self._saved[name] = (list(logger.handlers), logger.propagate)
-            logger.handlers, logger.propagate = [self], False
+        with self._guard:
+            for name in self.LOGGERS:
+                logger = logging.getLogger(name)
+                self._saved[name] = (list(logger.handlers), logger.propagate)
+                logger.handlers, logger.propagate = [self], False
         return self
 
+    def release_after(self, seconds: float) -> None:
+        """:meth:`show` from a daemon thread in ``seconds`` unless shown or dropped before (re-arming restarts it)."""
+        with self._guard:
+            self._cancel()
+            if self._saved:
+                self._timer = threading.Timer(seconds, self.show)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _cancel(self) -> None:
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.cancel()
+        self._timer = None
+
     def _restore(self) -> None:
+        self._cancel()
         for name, (handlers, propagate) in self._saved.items():
             logger = logging.getLogger(name)
             logger.handlers, logger.propagate = handlers, propagate
@@ -272,12 +336,14 @@ class HeldLogs(logging.Handler):
 
     def show(self) -> None:
         """Put Lightning's handlers back and print what was held, in order (idempotent)."""
-        self._restore()
-        records, self.records = self.records, []
-        for record in records:
-            logging.getLogger(record.name).handle(record)
+        with self._guard:
+            self._restore()
+            records, self.records = self.records, []
+            for record in records:
+                logging.getLogger(record.name).handle(record)
 
     def drop(self) -> None:
         """Put Lightning's handlers back and forget what was held."""
-        self._restore()
-        self.records = []
+        with self._guard:
+            self._restore()
+            self.records = []

@@ -314,6 +314,11 @@ def test_a_changed_global_batch_on_resume_is_one_line_exit_2(tmp_path, shakespea
     proc = _resume(tmp_path, reference, shakespeare_tokens, override)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("kforge: error:")]
     assert proc.returncode == 2, proc.stderr[-4000:]
-    assert lines and all(line.startswith(f"kforge: error: {field}: ") for line in lines), proc.stderr[-4000:]
+    # Said once (both ranks refuse it), the field once, and none of Lightning's start-up lines before it.
+    assert len(lines) == 1 and lines[0].startswith(f"kforge: error: {field}: "), lines
+    assert lines[0].count(f"{field}: ") == 1, lines
+    text = proc.stdout + proc.stderr
+    for banner in ("Initializing distributed", "distributed_backend=", "Total params", "Seed set to"):
+        assert banner not in text, text[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert not (tmp_path / "ckpt" / "step=000006.ckpt").exists()  # nothing trained, nothing written

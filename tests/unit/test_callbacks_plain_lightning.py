@@ -227,12 +227,21 @@ def test_read_scalars_reads_each_device_once_and_keeps_order():
     assert read_scalars(metrics, ["a", "missing", "b", "n", "skip", "flag"]) == {"a": 1.25, "b": 2.5, "n": 3.0}
 
 
-def test_model_summary_has_no_flops(capsys):
+def test_model_summary_has_no_flops():
+    import io
+    import logging
+
     from kempnerforge.callbacks import ModelSummary
 
     trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
-    ModelSummary().on_fit_start(trainer, BoringModel())
-    out = capsys.readouterr().out
+    stream, lightning_log = io.StringIO(), logging.getLogger("lightning.pytorch")  # where Lightning's summary goes
+    handler = logging.StreamHandler(stream)
+    lightning_log.addHandler(handler)
+    try:
+        ModelSummary().on_fit_start(trainer, BoringModel())
+    finally:
+        lightning_log.removeHandler(handler)
+    out = stream.getvalue()
     assert "FLOPs" not in out and "Flops" not in out
     assert re.search(r"^0 \| layer \| Linear \| 66 ", out, re.M), out  # BoringModel: Linear(32, 2)
     assert re.search(r"^66 +Total params$", out, re.M)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
 from kempnerforge.checkpoint.errors import CheckpointError
-from kempnerforge.cli_errors import HeldLogs, argparse_error_line, error_line, infer_field, is_user_error
+from kempnerforge.cli_errors import (
+    HeldLogs,
+    argparse_error_line,
+    error_line,
+    infer_field,
+    is_user_error,
+    said_by_another_rank,
+)
 from kempnerforge.errors import PathError, UserError
 from kempnerforge.parallel.mesh import MeshConfigError
 
@@ -89,6 +97,71 @@ def test_held_logs_are_shown_in_order_or_dropped():
     finally:
         lightning.removeHandler(collect)
         lightning.setLevel(level)
+
+
+def test_held_logs_show_by_themselves_after_a_slow_start():
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    lightning, collect = logging.getLogger("lightning.pytorch"), Collect()
+    level = lightning.level
+    lightning.addHandler(collect)
+    lightning.setLevel(logging.INFO)
+    logger = logging.getLogger("lightning.pytorch.kforge_test")
+    try:
+        held = HeldLogs().hold()
+        logger.info("rendezvous")
+        held.release_after(0.05)
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == ["rendezvous"]  # a hang still shows its last lines
+        logger.info("after")
+        assert seen == ["rendezvous", "after"]
+        held = HeldLogs().hold()
+        held.release_after(0.05)
+        held.drop()  # a user error before the timer: nothing is shown, then or later
+        logger.info("x")
+        time.sleep(0.2)
+        assert seen == ["rendezvous", "after", "x"]
+    finally:
+        lightning.removeHandler(collect)
+        lightning.setLevel(level)
+
+
+def test_a_message_that_starts_with_its_field_names_it_once():
+    from kempnerforge.checkpoint.train_state import DataParallelMismatchError
+
+    err = DataParallelMismatchError("data.micro_batch_size: resuming must keep the global batch (saved 4, now 8)")
+    assert error_line(err) == (
+        "kforge: error: data.micro_batch_size: resuming must keep the global batch (saved 4, now 8)"
+    )
+
+
+def test_the_ranks_of_one_run_say_an_identical_line_once(monkeypatch, tmp_path):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    for name in ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not said_by_another_rank("kforge: error: a: b") and not said_by_another_rank("kforge: error: a: b")
+    monkeypatch.setenv("MASTER_PORT", "29500")  # a launched run: Lightning's launcher is local rank 0
+    monkeypatch.setattr("os.getpid", lambda: 100)
+    monkeypatch.setattr("os.getppid", lambda: 1)
+    assert not said_by_another_rank("kforge: error: a: b")  # rank 0 says it first
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr("os.getppid", lambda: 100)  # its child, rank 1
+    assert said_by_another_rank("kforge: error: a: b")
+    assert not said_by_another_rank("kforge: error: a: c")  # a line of its own is said
+    monkeypatch.setenv("MASTER_PORT", "29501")  # the next run
+    assert not said_by_another_rank("kforge: error: a: b")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")  # torchrun: every rank's parent is the agent
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not said_by_another_rank("kforge: error: a: b")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert said_by_another_rank("kforge: error: a: b")
 
 
 def test_user_errors_pickle_with_their_field():
