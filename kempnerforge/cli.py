@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from kempnerforge.callbacks import Preemption
-from kempnerforge.cli_errors import HeldLogs, argparse_error_line, exit_with_error, is_user_error
+from kempnerforge.cli_errors import HeldLogs, argparse_error_line, exit_with_error, is_user_error, name_this_launch
 from kempnerforge.commands import run_without_lightning
 from kempnerforge.console import add_default_callbacks, filter_harmless_warnings, filter_resume_warning
 from kempnerforge.data.datamodule import TokenDataModule
@@ -511,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=shows_help_text(args))
     if run_without_lightning(args):
         return
+    name_this_launch()  # its ranks say an error they share once (cli_errors.said_by_another_rank)
     token, held = _RUNNING.set(False), HeldLogs().hold()
     held_token = _HELD.set(held)
     try:

@@ -23,9 +23,10 @@ import re
 import sys
 import tempfile
 import threading
+import warnings
 import zlib
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 #: Typed errors of the library that only describe the user's input (class names, any module).
 USER_ERROR_TYPES = frozenset(
@@ -246,8 +247,8 @@ def said_by_another_rank(line: str) -> bool:
     """Whether another process of this multi-process run, on this node, printed ``line`` already: the ranks of a
     run usually refuse the same input at the same check, and the run should say it once (once per node: nodes
     share no folder we may assume). A rank whose line differs (its own file is corrupt) still prints it. The
-    marker is an empty file in the temp folder named by the run (the launcher's process id and port) and a
-    checksum of the line; False (print) for a single process or when the folder cannot be written."""
+    marker is an empty file in the temp folder named by the run (:func:`_run_key`) and a checksum of the line;
+    False (print) for a process that runs alone or when the folder cannot be written."""
     run = _run_key()
     if run is None:
         return False
@@ -261,22 +262,46 @@ def said_by_another_rank(line: str) -> bool:
     return False
 
 
-def _run_key() -> str | None:
-    """One name per run for the processes of a node: the launcher's process id (Lightning's launcher is local rank
-    0 itself; under ``srun`` / ``torchrun`` every rank's parent), the rendezvous port and the job (``torchrun``'s run
-    id, SLURM's job and step); None before any launcher ran (one process)."""
+#: A name for one ``kforge`` command and the processes Lightning's launcher starts for it (they inherit it).
+LAUNCH_ID_ENV = "KFORGE_LAUNCH_ID"
+
+
+def name_this_launch() -> None:
+    """Give this command a fresh :data:`LAUNCH_ID_ENV`, unless it is a rank that Lightning's launcher started for
+    one (local rank > 0, the name inherited): every command in one Python process (tests, notebooks) is its own."""
     env = os.environ
-    if "MASTER_PORT" not in env:  # set by every launcher; WORLD_SIZE is not kept (Lightning's teardown drops it)
+    if LAUNCH_ID_ENV not in env or env.get("LOCAL_RANK", "0") in ("", "0"):
+        env[LAUNCH_ID_ENV] = os.urandom(8).hex()
+
+
+def _run_key() -> str | None:
+    """One name per run for the processes of a node: under ``srun`` / ``torchrun`` the ranks' parent, the job
+    (SLURM's job and step, ``torchrun``'s run id) and the rendezvous port; under Lightning's own launcher the name
+    :func:`name_this_launch` gave the command. None for a process no launcher started (it runs alone)."""
+    env = os.environ
+    if "MASTER_PORT" not in env:  # set by every launcher
         return None
-    external = "SLURM_PROCID" in env or "TORCHELASTIC_RUN_ID" in env
-    launcher = os.getppid() if external or env.get("LOCAL_RANK", "0") != "0" else os.getpid()
-    job = env.get("TORCHELASTIC_RUN_ID") or f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
-    return "-".join(re.sub(r"[^\w.]", "_", str(part)) for part in (launcher, env["MASTER_PORT"], job))
+    if "SLURM_PROCID" in env or "TORCHELASTIC_RUN_ID" in env:
+        job = env.get("TORCHELASTIC_RUN_ID") or f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
+        parts: tuple[object, ...] = (os.getppid(), env["MASTER_PORT"], job)
+    elif LAUNCH_ID_ENV in env:
+        parts = (env[LAUNCH_ID_ENV],)
+    else:
+        return None
+    return "-".join(re.sub(r"[^\w.]", "_", str(part)) for part in parts)
+
+
+class _HeldWarning(NamedTuple):
+    """A Python warning held back: the arguments ``warnings.showwarning`` got."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
 
 
 class HeldLogs(logging.Handler):
     """Log lines from the start of a command (Lightning's ``Seed set to``, ``GPU available``, ``Initializing
-    distributed``, the model summary; warnings of libraries that log through the root logger), held back until the
+    distributed``, the model summary; warnings of libraries that log through the root logger; Python warnings,
+    Lightning's ``rank_zero_warn`` among them), held back until the
     run's checks pass, those after the process group starts included (the restored checkpoint's global batch, its
     checksums), and dropped when the command ends in a user error, so a refused command prints its one
     ``kforge: error`` line and nothing else.
@@ -292,8 +317,9 @@ class HeldLogs(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(level=logging.NOTSET)
-        self.records: list[logging.LogRecord] = []
+        self.records: list[logging.LogRecord | _HeldWarning] = []
         self._saved: dict[str, tuple[list[logging.Handler], bool]] = {}
+        self._showwarning: Any = None  # warnings.showwarning while held
         self._guard = threading.RLock()  # the release timer's thread and the main thread
         self._timer: threading.Timer | None = None
 
@@ -304,13 +330,22 @@ class HeldLogs(logging.Handler):
                 return
         logging.getLogger(record.name).handle(record)  # shown meanwhile: a logger still pointing here passes it on
 
+    def _hold_warning(self, *args: Any, **kwargs: Any) -> None:
+        with self._guard:
+            if self._saved:
+                self.records.append(_HeldWarning(args, kwargs))
+                return
+        warnings.showwarning(*args, **kwargs)
+
     def hold(self) -> HeldLogs:
-        """Replace the handlers of Lightning's loggers by this one (until :meth:`show` / :meth:`drop`)."""
+        """Replace the handlers of Lightning's loggers and ``warnings.showwarning`` by this one (until :meth:`show` /
+        :meth:`drop`)."""
         with self._guard:
             for name in self.LOGGERS:
                 logger = logging.getLogger(name)
                 self._saved[name] = (list(logger.handlers), logger.propagate)
                 logger.handlers, logger.propagate = [self], False
+            self._showwarning, warnings.showwarning = warnings.showwarning, self._hold_warning
         return self
 
     def release_after(self, seconds: float) -> None:
@@ -332,6 +367,8 @@ class HeldLogs(logging.Handler):
         for name, (handlers, propagate) in self._saved.items():
             logger = logging.getLogger(name)
             logger.handlers, logger.propagate = handlers, propagate
+        if self._saved and warnings.showwarning == self._hold_warning:  # not replaced since (a library, pytest)
+            warnings.showwarning = self._showwarning
         self._saved = {}
 
     def show(self) -> None:
@@ -340,7 +377,10 @@ class HeldLogs(logging.Handler):
             self._restore()
             records, self.records = self.records, []
             for record in records:
-                logging.getLogger(record.name).handle(record)
+                if isinstance(record, _HeldWarning):
+                    warnings.showwarning(*record.args, **record.kwargs)
+                else:
+                    logging.getLogger(record.name).handle(record)
 
     def drop(self) -> None:
         """Put Lightning's handlers back and forget what was held."""

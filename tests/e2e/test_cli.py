@@ -158,6 +158,12 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
     printed.update(_assert_batch_log(proc, steps=[6, 8], total=8))
     assert "exists and is not empty" not in proc.stderr  # resuming from that folder
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000008.ckpt"
+    # Refused after the process group started (Lightning's launcher: rank 0 is the command, rank 1 its child): the
+    # one line, once, without Lightning's start-up lines.
+    proc = _kforge(*common, "--trainer.max_steps=12", "--data.micro_batch_size=4", f"--ckpt_path={tmp_path / 'ckpt'}")
+    assert proc.returncode == 2 and proc.stdout.strip() == "", proc.stdout[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kforge: error: data.micro_batch_size: resuming must keep"), lines
     events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
     assert events
     # `kforge validate` on the step-8 checkpoint reproduces the validation loss the run logged at step 8.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -99,6 +100,26 @@ def test_held_logs_are_shown_in_order_or_dropped():
         lightning.setLevel(level)
 
 
+def test_held_logs_hold_python_warnings_in_order_with_the_log_lines(monkeypatch):
+    import warnings
+
+    shown: list[str] = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kwargs: shown.append(str(message)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        held = HeldLogs().hold()
+        warnings.warn("warmup clamped", UserWarning, stacklevel=1)
+        assert shown == [] and len(held.records) == 1
+        held.show()
+        assert shown == ["warmup clamped"]
+        warnings.warn("after", UserWarning, stacklevel=1)  # showwarning is back
+        assert shown == ["warmup clamped", "after"]
+        held = HeldLogs().hold()
+        warnings.warn("refused run", UserWarning, stacklevel=1)
+        held.drop()
+        assert shown == ["warmup clamped", "after"]
+
+
 def test_held_logs_show_by_themselves_after_a_slow_start():
     seen: list[str] = []
 
@@ -142,25 +163,38 @@ def test_a_message_that_starts_with_its_field_names_it_once():
 
 
 def test_the_ranks_of_one_run_say_an_identical_line_once(monkeypatch, tmp_path):
+    from kempnerforge.cli_errors import LAUNCH_ID_ENV, name_this_launch
+
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    for name in ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+    for name in (
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_PROCID",
+        "SLURM_JOB_ID",
+        "SLURM_STEP_ID",
+        "LOCAL_RANK",
+        LAUNCH_ID_ENV,
+    ):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    name_this_launch()
     assert not said_by_another_rank("kforge: error: a: b") and not said_by_another_rank("kforge: error: a: b")
-    monkeypatch.setenv("MASTER_PORT", "29500")  # a launched run: Lightning's launcher is local rank 0
-    monkeypatch.setattr("os.getpid", lambda: 100)
-    monkeypatch.setattr("os.getppid", lambda: 1)
-    assert not said_by_another_rank("kforge: error: a: b")  # rank 0 says it first
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr("os.getppid", lambda: 100)  # its child, rank 1
+    monkeypatch.setenv("MASTER_PORT", "29500")  # launched by Lightning: local rank 0 is the command itself
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not said_by_another_rank("kforge: error: a: b")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the rank it started, with the name inherited
+    name_this_launch()
     assert said_by_another_rank("kforge: error: a: b")
     assert not said_by_another_rank("kforge: error: a: c")  # a line of its own is said
-    monkeypatch.setenv("MASTER_PORT", "29501")  # the next run
-    assert not said_by_another_rank("kforge: error: a: b")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")  # torchrun: every rank's parent is the agent
     monkeypatch.setenv("LOCAL_RANK", "0")
+    first = os.environ[LAUNCH_ID_ENV]
+    name_this_launch()  # the next command in this process (MASTER_PORT is still set): its own name
+    assert os.environ[LAUNCH_ID_ENV] != first and not said_by_another_rank("kforge: error: a: b")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")  # torchrun: every rank's parent is the agent
+    monkeypatch.setattr("os.getppid", lambda: 4242)
+    name_this_launch()
     assert not said_by_another_rank("kforge: error: a: b")
     monkeypatch.setenv("LOCAL_RANK", "3")
+    name_this_launch()
     assert said_by_another_rank("kforge: error: a: b")
 
 
