@@ -57,6 +57,15 @@ def _kforge_cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _no_run_outlives_its_test():
+    """Kill what a test's ``start``-ed ``kforge`` runs left alive (a failure or a pytest-timeout mid-run)."""
+    yield
+    from tests.e2e.preempt_helpers import kill_started
+
+    kill_started()
+
+
+@pytest.fixture(autouse=True)
 def _one_thread_per_test_process(monkeypatch):
     """Distributed launches share 2 cores: keep each rank single-threaded (see NOTES-platform.md)."""
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

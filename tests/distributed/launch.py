@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from tests.distributed.forked_ranks import run_ranks
+from tests.procs import run_group
 
 HERE = Path(__file__).resolve().parent
 TRAIN_SCRIPT = HERE / "train_script.py"
@@ -44,7 +45,7 @@ def torchrun(nproc: int, script: Path, args: list[str], timeout: float = 240) ->
     """Launch ``script`` under ``torchrun --standalone`` (fresh interpreters); raise AssertionError with the output
     on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
-    proc = subprocess.run([*cmd, *args], env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_group([*cmd, *args], env=_env(), capture_output=True, text=True, timeout=timeout)
     return _check(proc)
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from kempnerforge.cli import main
+from tests.procs import run_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,7 +88,7 @@ def run_kforge(*args: str, subprocess_run: bool = False, timeout: float = 400) -
     if subprocess_run:
         env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
         cmd = [sys.executable, "-m", "kempnerforge.cli", *args]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = run_group(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     else:
         proc = kforge_in_process(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

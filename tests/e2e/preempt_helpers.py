@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,11 +51,29 @@ def write_config(
     return path
 
 
+#: Every process group :func:`start` launched; ``kill_started`` (after each test, tests/conftest.py) ends those alive.
+STARTED: list[subprocess.Popen] = []
+
+
+def kill_started() -> list[int]:
+    """SIGKILL the process group of every :func:`start`-ed command still running (a test that failed or timed out
+    mid-run must not leave ranks competing with the rest of the suite for the cores); returns their pids."""
+    alive = [p for p in STARTED if p.poll() is None]
+    for proc in alive:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    STARTED.clear()
+    return [p.pid for p in alive]
+
+
 def start(cfg: Path, env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
     """`kforge fit --config cfg` (2 processes through Lightning's launcher) in its own session."""
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     out = open(log or cfg.with_suffix(".log"), "a")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "kempnerforge.cli", "fit", "--config", str(cfg)],
         cwd=REPO,
         env=full,
@@ -62,6 +81,8 @@ def start(cfg: Path, env: dict[str, str] | None = None, log: Path | None = None)
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    STARTED.append(proc)
+    return proc
 
 
 def losses(tmp: Path, metric: str = "train/loss") -> dict[int, float]:

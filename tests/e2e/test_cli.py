@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.e2e.inprocess import kforge_in_process
+from tests.procs import run_group
 
 REPO = Path(__file__).resolve().parents[2]
 KFORGE = [sys.executable, "-m", "kempnerforge.cli"]
@@ -20,7 +21,7 @@ KFORGE = [sys.executable, "-m", "kempnerforge.cli"]
 
 def _kforge(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([*KFORGE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_group([*KFORGE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return proc
 
 

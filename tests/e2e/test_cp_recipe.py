@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.procs import run_group
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def _fit(config: str, devices: int, root: Path, tokens: Path) -> dict[int, dict[
         f"--trainer.callbacks.init_args.dirpath={root / 'ckpt'}",
         f"--trainer.callbacks.init_args.every_n_train_steps={STEPS}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    proc = run_group(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows: dict[int, dict[str, float]] = {}
     for path in (root / "runs").rglob("metrics.csv"):

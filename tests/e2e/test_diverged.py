@@ -4,7 +4,6 @@ one line naming the step, and every checkpoint it left holds finite weights (NaN
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from kempnerforge.exit_status import DIVERGED
 from tests.e2e.preempt_helpers import REPO, write_config
+from tests.procs import run_group
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def test_lr_1e3_exits_3_naming_the_step_and_writes_no_nonfinite_checkpoint(tmp_p
     data["trainer"].update(devices=1, max_steps=20)
     cfg.write_text(yaml.safe_dump(data))
     args = ["--model.optimizer.lr=1e3", "--model.scheduler.warmup_steps=1"]
-    proc = subprocess.run(
+    proc = run_group(
         [sys.executable, "-m", "kempnerforge.cli", "fit", "--config", str(cfg), *args],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

@@ -9,7 +9,6 @@ import csv
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.hf_folders import save_random
+from tests.procs import run_group
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_finetune_debug_recipe_starts_from_the_folder(tmp_path):
         f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
         "--trainer.callbacks.init_args.every_n_train_steps=4",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_group(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert json.loads((tokens / "metadata.json").read_text())["tokenizer"] == str(folder)
     (metrics,) = (tmp_path / "runs").rglob("metrics.csv")

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.procs import run_group
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ def _fit(tmp_path: Path, tokens: Path, name: str, steps: int, *extra: str) -> di
         f"--trainer.callbacks.init_args.dirpath={tmp_path / ('ckpt_' + name)}",
         "--trainer.callbacks.init_args.every_n_train_steps=6", *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_group(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows: dict[int, dict[str, str]] = {}
     for path in sorted((tmp_path / "runs" / name).rglob("metrics.csv")):

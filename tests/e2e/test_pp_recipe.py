@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.procs import run_group
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ def test_pp_recipe_trains_on_two_processes(tmp_path, shakespeare_tokens):
         f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}", "--trainer.callbacks.init_args.every_n_train_steps=10",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    proc = run_group(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "pp=2 x dp_replicate=1 x dp_shard=1" in proc.stdout + proc.stderr
     rows: dict[int, dict[str, str]] = {}

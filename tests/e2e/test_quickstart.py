@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.procs import run_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,7 +35,7 @@ def test_debug_recipe_reaches_val_loss_below_6(tmp_path):
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
     ]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_group(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (metrics,) = (tmp_path / "runs").rglob("metrics.csv")

@@ -30,6 +30,7 @@ from kempnerforge.commands import LIGHTNING_COMMANDS, TOOLS
 from kempnerforge.config import ModelConfig
 from kempnerforge.module import CausalLM, VisionLanguage
 from tests.e2e.inprocess import REPO, kforge_in_process
+from tests.procs import run_group
 
 #: Flags every case adds: nothing may be written into the repository by a case that (wrongly) got further.
 QUIET = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.max_steps=2"]
@@ -317,7 +318,7 @@ def test_a_real_kforge_process_prints_exactly_one_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "kempnerforge.entry", *_recipe("vlm_7b_siglip2", tmp_path)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_group(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     print(f"real kforge process refused in {time.perf_counter() - start:.1f} s")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [

@@ -4,9 +4,10 @@ step) and writes its report with both step times and their ratio."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.procs import run_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,7 +16,7 @@ def test_tiny_run_reports_cp_and_dp_step_times(tmp_path):
     out = tmp_path / "cp_step.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "cp_step.py"), "--seq-len", "64", "--dim", "32", "--n-layers", "1",
            "--vocab", "512", "--steps", "4", "--warmup", "1", "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_group(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["tokens_per_step"] == 2 * 64

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.procs import run_group
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "2", "--vocab", "512", "--seq-len", "16",
@@ -22,7 +23,7 @@ def test_tiny_run_writes_its_json_with_equal_losses(tmp_path, counts):
     out = tmp_path / "ct.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "benchmarks" / "cpu_throughput.py"), *TINY, *counts, "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_group(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())
     steps = int(counts[1])
