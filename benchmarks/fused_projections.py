@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # The reference weights are the unfused layout's (fusing is ModelConfig's default: say unfused here).
     cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.n_kv_heads,
-                      vocab_size=args.vocab, max_seq_len=args.seq)  # fmt: skip
+                      vocab_size=args.vocab, max_seq_len=args.seq, fuse_qkv=False, fuse_w13=False)  # fmt: skip
     ref = Transformer(cfg)
     ref.init_weights(seed=args.seed)
     sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}

@@ -42,8 +42,13 @@ from kempnerforge.model.transformer import Transformer
 
 
 @torch.no_grad()
-def previous_trunc_normal_init_(param: torch.Tensor, fqn: str, seed: int, std: float) -> None:
-    """The previous implementation: the full tensor on CPU from a per-FQN generator, then this rank's slice."""
+def previous_trunc_normal_init_(
+    param: torch.Tensor, fqn: str, seed: int, std: float, concat: tuple = (), rows: tuple = ()
+) -> None:
+    """The previous implementation: the full tensor on CPU from a per-FQN generator, then this rank's slice. It
+    predates fused projections (``concat``): the benchmark's decoder has separate ones."""
+    if concat or rows:
+        raise ValueError(f"{fqn}: the previous init has no fused projections (build the model unfused)")
     gen = torch.Generator(device="cpu")
     gen.manual_seed(param_seed(seed, fqn))
     full = torch.empty(tuple(param.shape), dtype=torch.float32)
@@ -72,7 +77,7 @@ def run_once(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     kinit.CHUNK_ELEMENTS = args.chunk
     cfg = ModelConfig(dim=args.dim, n_layers=args.n_layers, n_heads=16, n_kv_heads=8, vocab_size=args.vocab_size,
-                      max_seq_len=256, multiple_of=256)  # fmt: skip
+                      max_seq_len=256, multiple_of=256, fuse_qkv=False, fuse_w13=False)  # fmt: skip
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")

@@ -1,0 +1,92 @@
+"""Every benchmark without a test of its own runs at a tiny shape and writes figures that mean something: the
+variants of one model train to the same losses where they must (fusing projections and the loss paths change no
+number beyond rounding), each ratio is finite and positive, and the JSON holds what the README quotes from it.
+The figures themselves are not asserted (2 shared cores): the benchmarks report them, side by side, in one run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.procs import run_group
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(script: str, *args: str, tmp: Path, codes: tuple[int, ...] = (0,)) -> dict:
+    out = tmp / f"{script}.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), *args, "--json", str(out)]
+    proc = run_group(cmd, cwd=tmp, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in codes, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def _positive(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def test_fused_projections_variants_train_alike(tmp_path):
+    tiny = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--vocab", "256", "--seq", "16", "--batch", "2"]
+    result = _run("fused_projections", *tiny, "--warmup", "1", "--steps", "3", tmp=tmp_path)
+    assert set(result["variants"]) == {"unfused", "qkv", "w13", "both"} and result["steps"] == 3
+    for name, row in result["variants"].items():
+        assert _positive(row["cpu_ms"]) and _positive(row["ratio"]), (name, row)
+        assert row["max_dloss"] < 1e-4, (name, row)  # the same weights, fused: the same losses up to rounding
+    assert result["variants"]["unfused"]["ratio"] == 1.0
+
+
+def test_loss_path_variants_report_time_and_memory(tmp_path):
+    tiny = [
+        "--dim",
+        "32",
+        "--n-layers",
+        "1",
+        "--n-heads",
+        "2",
+        "--vocab",
+        "512",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+    ]
+    variants = "native,inplace,chunked-64,chunked-auto"
+    result = _run("loss_path", *tiny, "--warmup", "1", "--rounds", "2", "--variants", variants, "--peak", tmp=tmp_path)
+    assert list(result["rows"]) == variants.split(",")
+    for name, row in result["rows"].items():
+        assert _positive(row["cpu_ms"]) and _positive(row["cpu_vs_first"]), (name, row)
+        assert row["faults_mib"] >= 0 and math.isfinite(row["peak_rise_mib"]), (name, row)
+    assert result["rows"]["native"]["cpu_vs_first"] == 1.0
+
+
+def test_moe_step_ratio_and_flop_ratio_at_a_tiny_moe(tmp_path):
+    recipe = yaml.safe_load((REPO / "configs" / "moe_debug.yaml").read_text())
+    recipe["model"]["config"].update(dim=32, n_layers=2, n_heads=2, n_kv_heads=2, vocab_size=256, max_seq_len=32,
+                                     multiple_of=16)  # fmt: skip
+    recipe["data"].update(micro_batch_size=2, seq_len=16)
+    config = tmp_path / "moe_tiny.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    # Exit 1: the issue's target (MoE step <= its FLOP ratio x 1.05) is for moe_debug's shape; routing dominates here.
+    result = _run(
+        "moe_step", "--config", str(config), "--steps", "3", "--warmup", "1", "--hf", tmp=tmp_path, codes=(0, 1)
+    )
+    assert set(result["median_cpu_ms"]) == {"moe", "dense", "ours_mixtral", "hf_mixtral"}
+    assert all(_positive(ms) for ms in result["median_cpu_ms"].values()), result["median_cpu_ms"]
+    assert _positive(result["moe_vs_dense_cpu"]) and result["active_flop_ratio"] > 1.0
+    assert result["target"] == result["active_flop_ratio"] * 1.05 and isinstance(result["pass"], bool)
+    assert result["max_loss_diff_ours_vs_hf"] < 1e-4  # equal networks: ours and HF Mixtral train alike
+    assert all(len(losses) == 4 for losses in result["losses"].values())
+
+
+def test_init_time_previous_and_new_at_a_tiny_decoder(tmp_path):
+    tiny = ["--dim", "64", "--n_layers", "2", "--vocab_size", "256", "--repeats", "1"]
+    result = _run("init_time", *tiny, tmp=tmp_path)
+    assert result["n_params"] > 0 and set(result["best"]) == {"previous", "new"}
+    assert _positive(result["cpu_speedup_new_over_previous"]) and _positive(result["wall_speedup_new_over_previous"])
+    assert all(len(runs) == 1 for runs in result["runs"].values())
