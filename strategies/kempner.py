@@ -117,10 +117,12 @@ class KempnerStrategy(ModelParallelStrategy):
         pp_split_points: first block index of every stage after the first (None: balanced by layer count).
         cp: context-parallel degree (:mod:`kempnerforge.parallel.context_parallel`): each sequence is split over
             ``cp`` ranks in the load-balanced zigzag layout; parameters are FSDP2-sharded over ``dp_shard x cp``.
-            Needs ``seq_len % (2 * cp) == 0``; not with ``pp > 1``, ``ep > 1`` or vision-language models (yet).
+            Needs ``seq_len % (2 * cp) == 0``; composes with ``pp`` (every stage gets the share's positions) and
+            ``ep`` (which then borrows from ``dp_shard x cp``); not with vision-language models (yet).
         cp_attention: how a cp rank attends over the whole sequence: ``allgather`` (default; K/V all-gathered per
             block, any mask, any device) or ``ring`` (refused in this build).
-        ep: expert-parallel degree (MoE models; borrows ranks from dp_shard, must divide it and num_experts).
+        ep: expert-parallel degree (MoE models; borrows ranks from dp_shard, or dp_shard x cp with cp > 1, and
+            must divide it and num_experts).
         mixed_precision_param: FSDP2 compute dtype of unsharded parameters (``MixedPrecisionPolicy.param_dtype``;
             the sharded master weights, gradients and optimizer state stay fp32): ``"auto"`` (bf16 on CUDA, fp32
             on CPU), ``"bfloat16"`` or ``"float32"``. Lightning's ``trainer.precision`` maps onto it (see
@@ -786,7 +788,8 @@ class KempnerStrategy(ModelParallelStrategy):
         ``val/ppl`` on every rank."""
         if self.pipeline is None:
             return super().validation_step(*args, **kwargs)
-        batch = args[0]
+        batch = self.lightning_module._cp_batch(args[0])  # context parallelism: this cp rank's share
+        self.pipeline.set_cp(batch.get("cp"))
         loss_sum, n_targets = self.pipeline.eval_step(batch["input_ids"], batch["labels"])
         update_validation_metrics(self.lightning_module, loss_sum, n_targets)
         return None

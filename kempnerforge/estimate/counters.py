@@ -197,7 +197,8 @@ def axis_of_group(parallel_mesh: Any) -> dict[str, str]:
         expert_fsdp = parallel_mesh.expert_fsdp  # (dp_replicate, dp_shard_mod_ep) with HSDP, else 1-D
         for i, axis in enumerate(expert_fsdp.mesh_dim_names):
             if expert_fsdp.size(i) > 1:
-                label = "dp_shard/ep" if axis == "dp_shard_mod_ep" else axis
+                lent = "dp_shard" if dims.cp == 1 else "dp_shard_cp"  # the axis ep borrows from
+                label = f"{lent}/ep" if axis == "dp_shard_mod_ep" else axis
                 names.setdefault(expert_fsdp.get_group(i).group_name, label)
         if parallel_mesh.expert_shard is not None:  # EP + HSDP: experts' norms reduce over it
             names.setdefault(parallel_mesh.expert_shard.get_group().group_name, "dp_shard")

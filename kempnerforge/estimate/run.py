@@ -66,12 +66,13 @@ def chain_summary(build: RankBuild) -> str:
     if strategy.activation_checkpointing != "none":
         parts.append(f"AC {strategy.activation_checkpointing}")
     if all(isinstance(r, FSDPModule) for r in build.roots):
-        shards = f"dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard}" if dims.dp_replicate > 1 else ""
+        # cp ranks hold shards of their own: FSDP2 shards over dp_shard x cp, and ep borrows from that axis.
+        axis, lent = ("dp_shard", dims.dp_shard) if dims.cp == 1 else ("dp_shard_cp", dims.dp_shard * dims.cp)
+        replicas = f"dp_replicate={dims.dp_replicate} x " if dims.dp_replicate > 1 else ""
         experts = ""
-        if dims.ep > 1:  # experts: FSDP2 over the dp_shard ranks that are not ep, replicated over dp_replicate
-            replicas = f"dp_replicate={dims.dp_replicate} x " if dims.dp_replicate > 1 else ""
-            experts = f" (experts over {replicas}dp_shard/ep={dims.dp_shard // dims.ep})"
-        parts.append(f"FSDP2 over {shards or f'dp_shard={dims.dp_shard}'}{experts}")
+        if dims.ep > 1:  # experts: FSDP2 over the lent ranks that are not ep, replicated over dp_replicate
+            experts = f" (experts over {replicas}{axis}/ep={lent // dims.ep})"
+        parts.append(f"FSDP2 over {replicas}{axis}={lent}{experts}")
     else:
         parts.append("no FSDP2 (one shard in fp32: nothing to shard or cast)")
     return " -> ".join(parts)

@@ -98,6 +98,7 @@ def run_step(build: RankBuild, progress: Callable[[str], None] = lambda message:
     pipeline = strategy.pipeline
     if pipeline is not None:
         mb, seq = batch["input_ids"].shape
+        seq //= strategy.parallel_mesh.dims.cp  # with cp, a stage passes on this rank's share of each sequence
         hidden = (mb // pipeline.microbatches, seq, module.config.dim)
         pipeline.schedule = SimulatedSchedule(pipeline, device, hidden, _hidden_dtype(build), counter)
     tracker = make_tracker(build.roots, model, optimizer)

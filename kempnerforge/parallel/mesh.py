@@ -41,16 +41,6 @@ def validate_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, cp: int
         raise MeshConfigError(
             f"dp_shard={dp_shard!r} is not allowed: use an integer >= 1, or -1 to infer it from the world size."
         )
-    if cp > 1 and pp > 1:
-        raise MeshConfigError(
-            f"cp={cp} with pp={pp} is not supported yet: the pipeline's stages take no context-parallel positions "
-            "or mask; use pp=1 with cp, or cp=1 with pp."
-        )
-    if cp > 1 and ep > 1:
-        raise MeshConfigError(
-            f"cp={cp} with ep={ep} is not supported yet: expert gradients would not be reduced over cp; use ep=1 "
-            "(experts are then FSDP-sharded over dp_shard x cp like the dense weights)."
-        )
 
 
 @dataclass
@@ -64,7 +54,8 @@ class ParallelDims:
         pp: pipeline-parallel degree.
         cp: context-parallel degree (:mod:`kempnerforge.parallel.context_parallel`): every sequence split over
             ``cp`` ranks that see the same batch; parameters are FSDP2-sharded over ``dp_shard x cp``.
-        ep: expert-parallel degree (borrows ranks from ``dp_shard``; experts are replicated over ``dp_replicate``).
+        ep: expert-parallel degree (borrows ranks from ``dp_shard``, or from ``dp_shard x cp`` with context
+            parallelism, as torchtitan's ``dp_shard_cp``; experts are replicated over ``dp_replicate``).
         world_size: number of ranks.
 
     Raises:
@@ -95,10 +86,13 @@ class ParallelDims:
                     f"pp*dp_replicate*cp*tp = {self.pp}*{self.dp_replicate}*{self.cp}*{self.tp} = {others}."
                 )
             self.dp_shard = self.world_size // others
-        if self.ep > 1 and self.dp_shard % self.ep:
+        lenders = self.dp_shard * self.cp  # the ranks that hold different shards of the same weights
+        if self.ep > 1 and lenders % self.ep:
+            axes = "dp_shard" if self.cp == 1 else "dp_shard x cp"
+            what = f"dp_shard={self.dp_shard}" if self.cp == 1 else f"{axes} = {self.dp_shard} x {self.cp} = {lenders}"
             raise MeshConfigError(
-                f"ep={self.ep} must divide dp_shard={self.dp_shard}: expert parallelism borrows its ranks from "
-                f"dp_shard; allowed ep: {[d for d in range(1, self.dp_shard + 1) if self.dp_shard % d == 0]}."
+                f"ep={self.ep} must divide {what}: expert parallelism borrows its ranks from {axes}; allowed ep: "
+                f"{[d for d in range(1, lenders + 1) if lenders % d == 0]}."
             )
         product = others * self.dp_shard
         if product != self.world_size:
@@ -185,7 +179,8 @@ class ParallelMesh:
 
     @cached_property
     def expert(self) -> DeviceMesh:
-        """Expert mesh: ``dp_shard`` unflattened into ``(dp_shard_mod_ep, ep)`` with ``ep`` innermost (EP ranks are
+        """Expert mesh: ``dp_shard`` (with ``cp > 1`` the flattened ``dp_shard x cp`` of :attr:`fsdp`, as torchtitan's
+        ``dp_shard_cp``) unflattened into ``(dp_shard_mod_ep, ep)`` with ``ep`` innermost (EP ranks are
         neighbours), as torchtitan v0.2; with HSDP the ``dp_replicate`` axis stays in front, giving the 3-D
         ``(dp_replicate, dp_shard_mod_ep, ep)``. All axes share the world mesh as root, so FSDP2 over
         :attr:`expert_fsdp` composes with expert DTensors on :attr:`ep`.
@@ -194,16 +189,18 @@ class ParallelMesh:
         ``dp_shard_mod_ep=s``, ``ep=e``; it holds the experts ``[e * E / ep, (e + 1) * E / ep)``, FSDP-shard ``s``
         of them, and so do the ``dp_replicate`` ranks that differ from it in ``r`` only (its replicas).
         """
-        ep = self.dims.ep
-        split = (self.dims.dp_shard // ep, ep)
-        # Private DeviceMesh API, as in `dp`: no public unflatten in torch 2.13.
+        ep, cp = self.dims.ep, self.dims.cp
+        split = (self.dims.dp_shard * cp // ep, ep)
+        # Private DeviceMesh API, as in `dp`: no public unflatten in torch 2.13. With cp > 1 the lent axis is the
+        # flattened dp_shard x cp of `fsdp` (cp ranks route their own tokens: an all-to-all peer like any other).
         if self.dims.dp_replicate > 1:
-            expert = self.world["dp_replicate", "dp_shard"]._unflatten(1, split, ("dp_shard_mod_ep", "ep"))
+            lent = self.fsdp if cp > 1 else self.world["dp_replicate", "dp_shard"]
+            expert = lent._unflatten(1, split, ("dp_shard_mod_ep", "ep"))
             # Registered on the root so DTensor reduces an expert weight's norm over (dp_shard_mod_ep, ep) in one
             # collective, not two in sequence (torch warns otherwise).
             self.expert_shard = expert["dp_shard_mod_ep", "ep"]._flatten("dp_shard_ep")
             return expert
-        return self.world["dp_shard"]._unflatten(0, split, ("dp_shard_mod_ep", "ep"))
+        return (self.fsdp if cp > 1 else self.world["dp_shard"])._unflatten(0, split, ("dp_shard_mod_ep", "ep"))
 
     @cached_property
     def ep(self) -> DeviceMesh:

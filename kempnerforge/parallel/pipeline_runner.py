@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from kempnerforge.model.transformer import Transformer
+from kempnerforge.parallel.context_parallel import ContextShard
 from kempnerforge.parallel.mesh import MeshConfigError
 from kempnerforge.parallel.pipeline import (
     build_schedule,
@@ -225,6 +226,8 @@ class PipelineRunner:
         if batch_idx % accumulate == 0:  # a new optimizer step
             for p in params:
                 p.grad = None
+        full, batch = batch, module._cp_batch(batch)  # context parallelism: this cp rank's share of each sequence
+        self.set_cp(batch.get("cp"))
         labels = batch["labels"]
         n_targets = (labels != IGNORE_INDEX).sum()
         scale = _loss_scale(module, n_targets, accumulate)
@@ -238,7 +241,12 @@ class PipelineRunner:
         if self._aux is not None:
             module.log("train/moe_aux_loss", aux / self.microbatches, rank_zero_only=True)
         # The stages' MoE aux losses already ran in the schedule's backward (pipeline_aux).
-        return module._record_step(batch, batch_idx, loss_sum, n_targets, moe_aux_in_backward=True)
+        return module._record_step(full, batch_idx, loss_sum, n_targets, moe_aux_in_backward=True)
+
+    def set_cp(self, shard: ContextShard | None) -> None:
+        """Give every local stage this rank's context-parallel share (None: cp = 1) for the next schedule run."""
+        for stage in self.stage_modules:
+            stage.cp = shard
 
     def _start_moe(self, module: Any, labels: torch.Tensor, scale: torch.Tensor | float, new_step: bool) -> None:
         """Hook the stages' MoE bookkeeping for one step: micro-batch ``m``'s aux loss gets the gradient

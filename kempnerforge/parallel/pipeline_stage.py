@@ -15,6 +15,7 @@ from torch import nn
 
 from kempnerforge.model.init import canonical_fqn
 from kempnerforge.model.rope import pack_rope
+from kempnerforge.parallel.context_parallel import ContextShard
 from kempnerforge.parallel.contract import is_moe_layer
 
 
@@ -29,12 +30,17 @@ class DecoderStage(nn.Module):
         last: holds ``norm`` and ``output`` (output: logits); with a tied head also ``tok_embeddings``
             (the head's weight, not looked up here), so FSDP2 shards the shared weight as one unit.
 
+    :attr:`cp` (set by :class:`~kempnerforge.parallel.pipeline_runner.PipelineRunner` before each schedule run
+    under context parallelism): this rank's :class:`~kempnerforge.parallel.context_parallel.ContextShard`, the same
+    for every micro-batch (no packed documents under pp); RoPE then rotates by global position and attention
+    masks by it, as :meth:`Transformer.forward <kempnerforge.model.Transformer.forward>` does with ``cp=``.
+
     :attr:`after_blocks` (set by :class:`~kempnerforge.parallel.pipeline_runner.PipelineRunner` for MoE
     models) runs on the hidden states after the stage's last block: it puts the stage's MoE auxiliary
     losses into the backward (:mod:`kempnerforge.parallel.pipeline_aux`).
 
-    Shapes: forward(x) with x ``(batch, seq)`` int64 token ids on the first stage, else the hidden
-    states ``(batch, seq, dim)``; returns logits ``(batch, seq, vocab_size)`` on the last stage,
+    Shapes: forward(x) with x ``(batch, seq)`` int64 token ids on the first stage (``seq``: this cp rank's
+    share with cp), else the hidden states ``(batch, seq, dim)``; returns logits ``(batch, seq, vocab_size)`` on the last stage,
     else hidden states ``(batch, seq, dim)``.
     """
 
@@ -48,6 +54,7 @@ class DecoderStage(nn.Module):
         self.output = model.output if last else None
         self._owner = (model,)  # a tuple: not registered as a submodule (no second copy in state dicts)
         self.after_blocks: Callable[[DecoderStage, torch.Tensor], torch.Tensor] | None = None
+        self.cp: ContextShard | None = None
 
     def moe_layers(self) -> dict[str, nn.Module]:
         """This stage's MoE layers by canonical FQN (``layers.1.moe``), found through any wrapper."""
@@ -57,10 +64,15 @@ class DecoderStage(nn.Module):
         """Run embedding (first stage), this stage's blocks, then norm + head (last stage)."""
         h = self.tok_embeddings(x) if self.first else x
         model = self._owner[0]
-        seq = h.shape[1]
-        rope = pack_rope(model.rope_cos[:seq], model.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
+        mask = None
+        if self.cp is None:
+            seq = h.shape[1]
+            rope = pack_rope(model.rope_cos[:seq], model.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
+        else:  # one mask for every block, in the compute dtype (see ContextShard.attention_mask)
+            rope = pack_rope(model.rope_cos[self.cp.positions], model.rope_sin[self.cp.positions])
+            mask = self.cp.attention_mask(dtype=h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, mask)
         if self.after_blocks is not None:
             h = self.after_blocks(self, h)
         if self.output is None:

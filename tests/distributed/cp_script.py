@@ -1,6 +1,7 @@
 """Context-parallel training runs (issue 26), several per launch (each launch costs a rendezvous and imports).
 
-``--runs`` lists runs as ``name:key=value,...``; keys: ``cp``, ``tp``, ``ep``, ``sp`` (sequence parallel), ``dp_shard``,
+``--runs`` lists runs as ``name:key=value,...``; keys: ``cp``, ``tp``, ``pp`` (pipeline stages, their default
+schedule), ``ep``, ``sp`` (sequence parallel), ``dp_shard``,
 ``micro_batch`` (per data shard; default 8 / data shards), ``steps`` (default 5), ``docs`` (1: packed documents,
 ``document_masking``), ``ac`` (activation checkpointing mode), ``compile`` (1: per-block compile, ``aot_eager``),
 ``moe`` (1: the tiny MoE, ep=1), ``mla`` (1: multi-head latent attention), ``seq`` (tokens per sequence, default 32),
@@ -31,6 +32,7 @@ from tests.distributed.train_script import Recorder, tiny_config  # noqa: E402
 INT_KEYS = (
     "cp",
     "tp",
+    "pp",
     "ep",
     "sp",
     "dp_shard",
@@ -68,7 +70,7 @@ def model_config(opts: dict):
 def run(name: str, opts: dict, args) -> dict:
     seed_everything(0, workers=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cp, tp, pp = opts.get("cp", 1), opts.get("tp", 1), 1
+    cp, tp, pp = opts.get("cp", 1), opts.get("tp", 1), opts.get("pp", 1)
     shards = world // (cp * tp * pp)
     module = CausalLM(
         config=model_config(opts),
@@ -94,6 +96,7 @@ def run(name: str, opts: dict, args) -> dict:
     strategy = KempnerStrategy(
         cp=cp,
         tp=tp,
+        pp=pp,
         dp_shard=opts.get("dp_shard", -1),
         dp_replicate=opts.get("dp_replicate", 1),
         ep=opts.get("ep", 1),

@@ -4,11 +4,12 @@ Three launches of ``cp_script.py`` (the tiny decoder of ``train_script``, 5 step
 tokens, fp32 on gloo):
 
 - 2 processes, cp=2: plain; packed documents (1-2 lines of real text per document, so document boundaries fall
-  inside the 8-token zigzag chunks); full AC; per-block compile (``aot_eager``); the tiny MoE (ep=1); MLA; and a
-  6-step run that saves at step 3.
+  inside the 8-token zigzag chunks); full AC; per-block compile (``aot_eager``); the tiny MoE (ep=1, and ep=2 over
+  the cp ranks); MLA; and a 6-step run that saves at step 3.
 - 1 process: the oracles of each, and the cp=2 step-3 checkpoint resumed at cp=1.
 - 4 processes: cp=4 (plain, packed documents), cp=2 x tp=2 with sequence parallel, cp=2 x dp_shard=2, HSDP
-  (dp_replicate=2 x cp=2), and the cp=2 checkpoint resumed at cp=4.
+  (dp_replicate=2 x cp=2), the MoE with ep=2 over dp_shard x cp and with HSDP, cp=2 x pp=2 (dense and MoE), and
+  the cp=2 checkpoint resumed at cp=4.
 
 Losses and grad norms within 1e-5 relative of one process; the resumed runs continue with the uninterrupted run's
 values; ``tokens_seen`` counts every token once whatever cp is.
@@ -34,6 +35,7 @@ TWO = {
     "ac_full": "cp=2,ac=full",
     "compile": "cp=2,compile=1",
     "moe": "cp=2,moe=1",
+    "moe_ep2": "cp=2,moe=1,ep=2",
     "mla": "cp=2,mla=1",
     "save": "cp=2,steps=6,save=3",
 }
@@ -51,10 +53,15 @@ FOUR = {
     "cp2_tp2_sp": "cp=2,tp=2,sp=1",
     "cp2_dp_shard2": "cp=2,dp_shard=2",
     "hsdp_cp2": "cp=2,dp_replicate=2",
+    "cp2_dp_shard2_ep2": "cp=2,dp_shard=2,moe=1,ep=2",
+    "hsdp_cp2_ep2": "cp=2,dp_replicate=2,moe=1,ep=2",
+    "cp2_pp2": "cp=2,pp=2",
+    "cp2_pp2_moe": "cp=2,pp=2,moe=1",
     "resumed_cp4": "cp=4,steps=6,resume=save,resume_step=3",
 }
 #: The one-process oracle of each run (runs not listed: ``plain``).
-ORACLE = {"docs": "docs", "cp4_docs": "docs", "moe": "moe", "mla": "mla", "save": "plain6"}
+ORACLE = {"docs": "docs", "cp4_docs": "docs", "moe": "moe", "moe_ep2": "moe", "cp2_dp_shard2_ep2": "moe",
+          "hsdp_cp2_ep2": "moe", "cp2_pp2_moe": "moe", "mla": "mla", "save": "plain6"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -101,11 +101,12 @@ def test_vision_language_refuses_cp():
         validate_cp_run(2, "allgather", VisionLanguage.__new__(VisionLanguage), 32, "gloo")
 
 
-def test_mesh_refuses_cp_with_pp_or_ep_and_moe_sequence_aux():
-    with pytest.raises(MeshConfigError, match="cp=2 with pp=2 is not supported yet"):
-        ParallelDims(cp=2, pp=2, world_size=4)
-    with pytest.raises(MeshConfigError, match="cp=2 with ep=2 is not supported yet"):
-        ParallelDims(cp=2, ep=2, world_size=4)
+def test_mesh_lends_dp_shard_x_cp_to_ep_and_refuses_moe_sequence_aux():
+    assert ParallelDims(cp=2, pp=2, world_size=4).shape == (2, 1, 1, 2, 1)
+    assert ParallelDims(cp=2, ep=2, world_size=2).dp_shard == 1  # ep borrows the cp ranks
+    ParallelDims(cp=2, ep=4, world_size=4)  # dp_shard x cp = 2 x 2
+    with pytest.raises(MeshConfigError, match=r"ep=4 must divide dp_shard x cp = 1 x 2 = 2: .* allowed ep: \[1, 2\]"):
+        ParallelDims(cp=2, ep=4, world_size=2)
     cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256, num_experts=4, top_k=2, seq_aux_loss_weight=0.01)
     with pytest.raises(MeshConfigError, match="seq_aux_loss_weight=0.01 is not supported yet"):
         CausalLM(config=cfg).validate_parallel(ParallelDims(cp=2, world_size=2))

@@ -259,3 +259,24 @@ def test_ep_with_hsdp_holds_half_of_every_weight_and_all_reduces_over_dp_replica
     assert role.params_bytes == pytest.approx(est.model_params * 4 / 2, rel=1e-3)
     assert role.comm["all_reduce[dp_replicate]"] == pytest.approx(role.grads_bytes, rel=1e-3)
     assert role.comm["all_to_all[ep]"] > 0 and not any("dp_shard/ep" in k for k in role.comm)
+
+
+def test_cp_with_ep_and_with_pp_is_estimated_on_the_axes_it_runs_on():
+    """moe_debug at 1 x 4 with cp=2 x ep=2 (dp_shard=2): dense weights shard over dp_shard x cp = 4 and ep borrows
+    from that axis, so experts are FSDP-sharded over its other 2 ranks; cp_debug with pp=2 (1 x 4: cp=2 per
+    stage): a stage sends and receives this rank's half of each sequence, once forward and once backward."""
+    lines: list[str] = []
+    moe = ["--config", str(REPO / "configs" / "moe_debug.yaml"), *SHORT, "--trainer.strategy.init_args.cp=2",
+           "--trainer.strategy.init_args.ep=2"]  # fmt: skip
+    est = estimate(moe, 1, 4, alternatives=False, progress=lines.append)
+    assert "EP=2 -> FSDP2 over dp_shard_cp=4 (experts over dp_shard_cp/ep=2)" in str(lines)
+    (role,) = est.roles
+    assert role.params_bytes == pytest.approx(est.model_params * 4 / 4, rel=1e-3)  # fp32, 1/4 of every weight
+    for axis in ("all_to_all[ep]", "all_gather[cp]", "reduce_scatter[dp_shard_cp]", "reduce_scatter[dp_shard_cp/ep]"):
+        assert role.comm[axis] > 0, (axis, role.comm)
+    pp = ["--config", str(REPO / "configs" / "cp_debug.yaml"), *SHORT, "--trainer.strategy.init_args.pp=2"]
+    est = estimate(pp, 1, 4, alternatives=False)
+    first = est.roles[0]
+    dim = 128  # cp_debug's decoder; fp32 on the simulated CPU devices
+    assert first.comm["send_recv[pp]"] == 2 * 2 * (64 // 2) * dim * 4  # micro-batch 2, 32 of 64 tokens, fwd + bwd
+    assert est.verdict.fits and all(not role.fallbacks for role in est.roles)

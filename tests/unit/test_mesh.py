@@ -39,11 +39,9 @@ def test_dp_shard_zero_refused():
         ParallelDims(dp_shard=0, world_size=1)
 
 
-def test_cp_takes_its_ranks_from_the_world_and_unbuilt_combinations_are_refused():
+def test_cp_takes_its_ranks_from_the_world():
     dims = ParallelDims(cp=2, world_size=8)
     assert (dims.dp_shard, dims.dp, dims.shape) == (4, 4, (1, 1, 4, 2, 1))
-    with pytest.raises(MeshConfigError, match="cp=2 with pp=2 is not supported yet"):
-        ParallelDims(cp=2, pp=2, world_size=4)
 
 
 def test_pp_takes_its_ranks_from_the_world():
