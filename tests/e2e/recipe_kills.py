@@ -26,6 +26,8 @@ CPU_RECIPES = {
     "vlm_jd": 2, "vlm_cross_attn": 2, "vlm_mot": 2, "vlm_moma": 2, "vlm_video": 2,
 }  # fmt: skip
 TEXT_RECIPES = ("debug", "moe_debug", "pp_debug", "cp_debug", "finetune_debug")
+#: Seconds any one run of a kill sequence may take (a tiny recipe runs in 10-60 s on 2 busy cores).
+WAIT_S = float(os.environ.get("KFORGE_KILL_WAIT_S", "240"))
 
 
 @dataclass
@@ -100,7 +102,7 @@ def _kill_once(cfg: Path, tmp: Path, rng: random.Random, result: KillResult, env
     -backward, -optimizer or -save), and record how it ended."""
     done = len(losses(tmp))
     proc = start(cfg, env)
-    wait_for(lambda: len(losses(tmp)) >= done + rng.randint(1, 2), proc, timeout=300)
+    wait_for(lambda: len(losses(tmp)) >= done + rng.randint(1, 2), proc, timeout=WAIT_S)
     time.sleep(rng.uniform(0.0, 0.4))
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGTERM)  # every rank, the launcher and the dataloader workers, as a scheduler does
@@ -129,7 +131,9 @@ def kill_recipe(
     (root / "reference").mkdir(parents=True), (root / "killed").mkdir()
     ref_cfg = recipe_config(root / "reference", recipe, steps, **kw)
     result = KillResult(recipe)
-    code = start(ref_cfg, env).wait(timeout=900)
+    # Waits under pytest's 600 s per test, so a stuck run fails here with its log (and its group is killed after
+    # the test, tests/conftest.py) instead of a bare pytest-timeout.
+    code = start(ref_cfg, env).wait(timeout=WAIT_S)
     assert code == 0, ref_cfg.with_suffix(".log").read_text()[-3000:]
     reference = losses(root / "reference")
     run = root / "killed"
@@ -140,7 +144,7 @@ def kill_recipe(
         if len(losses(run)) >= steps - 2:
             break  # too few steps left to land a kill inside training
         _kill_once(with_preemption if (i % 2 == 1) != preemption_first else plain, run, rng, result, env)
-    result.codes.append(start(plain, env).wait(timeout=900))
+    result.codes.append(start(plain, env).wait(timeout=WAIT_S))
     got = losses(run)
     if sorted(got) == sorted(reference):
         result.max_loss_diff = max(abs(got[s] - reference[s]) for s in reference)
