@@ -99,7 +99,7 @@ def check_paths(module: Any, datamodule: Any) -> None:
         if isinstance(src_dir, str) and not (Path(src_dir) / "metadata.json").is_file():
             raise PathError(f"data.sources[{i}].data_dir", f"{src_dir} holds no prepared shards (metadata.json)")
         if isinstance(src_dir, str):
-            _check_metadata(f"data.sources[{i}].data_dir", src_dir)
+            _check_metadata(f"data.sources[{i}].data_dir", src_dir, getattr(dm, "vocab_size", None))
     if source is None and isinstance(data_dir, str) and not getattr(dm, "sources", None):
         if not (Path(data_dir) / "metadata.json").is_file():
             raise PathError(
@@ -107,21 +107,31 @@ def check_paths(module: Any, datamodule: Any) -> None:
                 f"{data_dir} holds no prepared token shards (metadata.json): run kforge prepare-data --output_dir "
                 f"{data_dir}, or set data.source and data.tokenizer to prepare it at the start",
             )
-        _check_metadata("data.data_dir", data_dir)
+        _check_metadata("data.data_dir", data_dir, getattr(dm, "vocab_size", None))
 
 
-def _check_metadata(field: str, data_dir: str) -> None:
-    """``data_dir/metadata.json`` parses and lists shards (one small file; no shard is opened).
+def _check_metadata(field: str, data_dir: str, vocab_size: Any = None) -> None:
+    """``data_dir/metadata.json`` parses and lists shards (one small file; no shard is opened), and its tokenizer's
+    vocabulary fits the model's (``vocab_size``, the data module's copy of it; None: not checked).
 
     Raises:
         PathError: naming ``field``, when the record is not valid JSON or lacks what the dataset reads.
+        UserError: naming ``field``, when the data was tokenized with more ids than the model has.
     """
     from kempnerforge.data.memmap import TokenDataError, read_metadata
 
     try:
-        read_metadata(data_dir)
+        meta = read_metadata(data_dir)
     except TokenDataError as err:
         raise PathError(field, f"{err}; prepare it again (kforge prepare-data --output_dir {data_dir})") from err
+    data_vocab = meta.get("vocab_size")
+    if isinstance(vocab_size, int) and isinstance(data_vocab, int) and data_vocab > vocab_size:
+        raise UserError(
+            field,
+            f"{data_dir} was tokenized with vocab_size={data_vocab} (tokenizer {meta.get('tokenizer')!r}) but the "
+            f"model's vocab_size={vocab_size}; the model's vocab_size must be >= {data_vocab} "
+            "(model.config.vocab_size), or prepare the data with the model's tokenizer",
+        )
 
 
 def check_ckpt_path(strategy: Any, ckpt_path: Any, world: WorldSpec) -> None:

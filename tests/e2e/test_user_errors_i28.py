@@ -60,10 +60,10 @@ FIT = {  # extra arguments, the field the line names, a substring of what it say
         "trainer.strategy.init_args.cp_attention",
         "use one of allgather, ring",
     ),  # fmt: skip
-    "cp_pp": (
-        ["--trainer.strategy.init_args.cp=2", "--trainer.strategy.init_args.pp=2", "--trainer.devices=4"],
-        "trainer.strategy.init_args.cp",
-        "use pp=1 with cp",
+    "cp_ep": (
+        ["--trainer.strategy.init_args.cp=2", "--trainer.strategy.init_args.ep=4", "--trainer.devices=2"],
+        "trainer.strategy.init_args.ep",
+        "ep=4 must divide dp_shard x cp = 1 x 2 = 2",
     ),  # fmt: skip
     "grad_clip": (["--model.grad_clip=-1"], "model.grad_clip", ">= 0"),
 }
@@ -79,6 +79,19 @@ def test_fit_bad_input_is_one_line(name, tmp_path, started):  # noqa: F811
     result = kforge_in_process(*args, *[a.format(empty_yaml=tmp_path / "empty.yaml") for a in extra])
     line = _one_line(result.returncode, result.stderr, field)
     assert want in line, line
+    assert started == [] and not root.exists() and not ckpt.exists(), (started, line)
+
+
+def test_fit_refuses_data_tokenized_beyond_the_models_vocabulary(tmp_path, started, shakespeare_tokens):  # noqa: F811
+    """Found before any process starts (preflight reads metadata.json), not by the dataset after the rendezvous."""
+    root, ckpt = tmp_path / "root", tmp_path / "ckpt"
+    result = kforge_in_process(
+        "fit", "--config", "configs/debug.yaml", "--trainer.logger=false", f"--trainer.default_root_dir={root}",
+        f"--trainer.callbacks.init_args.dirpath={ckpt}", "--data.source=null", "--data.tokenizer=null",
+        f"--data.data_dir={shakespeare_tokens}", "--model.config.vocab_size=1000",
+    )  # fmt: skip
+    line = _one_line(result.returncode, result.stderr, "data.data_dir")
+    assert "tokenized with vocab_size=50257" in line and "the model's vocab_size=1000" in line, line
     assert started == [] and not root.exists() and not ckpt.exists(), (started, line)
 
 
