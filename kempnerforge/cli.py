@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import re
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -41,6 +42,9 @@ from kempnerforge.strategies import KempnerStrategy
 _RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("kforge_running", default=False)
 #: Lightning's log lines held back until the pre-run checks pass (:class:`~kempnerforge.cli_errors.HeldLogs`).
 _HELD: contextvars.ContextVar[HeldLogs | None] = contextvars.ContextVar("kforge_held_logs", default=None)
+#: Log folders (TensorBoard / CSV versions) this command will create, until its loop starts: a run refused after the
+#: process group started (a resumed checkpoint's global batch) removes them, so exit 2 leaves nothing written.
+_NEW_LOG_DIRS: contextvars.ContextVar[tuple[Path, ...]] = contextvars.ContextVar("kforge_new_log_dirs", default=())
 #: Seconds after the pre-run checks that held log lines show even if the loop has not started (a rendezvous waiting
 #: for other nodes, a large model's materialization): long enough for a start on one node, short against a hang.
 HOLD_AFTER_CHECKS_S = 30.0
@@ -257,9 +261,34 @@ class KForgeCLI(LightningCLI):
         preflight(self.trainer, self.model, self.datamodule, config.get("ckpt_path"), self.subcommand, precision)
         _RUNNING.set(True)
         held = _HELD.get()
+        _NEW_LOG_DIRS.set(tuple(new_log_dirs(self.trainer)))
         if held is not None:  # shown when the loop starts: a check that needs the process group refuses in one line
             held.release_after(HOLD_AFTER_CHECKS_S)
             self.trainer.callbacks.append(ShowHeldLogs(held))
+
+
+def new_log_dirs(trainer: Any) -> list[Path]:
+    """The local log folders of ``trainer``'s loggers (``log_dir``: TensorBoard, CSV) that do not exist yet, each as
+    its outermost missing folder (``runs/`` of ``runs/debug/version_0`` in a fresh directory): what this run will
+    create (resolving the version now fixes the one the run then uses)."""
+    found = []
+    for logger in getattr(trainer, "loggers", []):
+        log_dir = getattr(logger, "log_dir", None)
+        if not isinstance(log_dir, str) or "://" in log_dir or Path(log_dir).exists():
+            continue
+        top = Path(log_dir).absolute()
+        while not top.parent.exists():
+            top = top.parent
+        found.append(top)
+    return found
+
+
+def remove_new_log_dirs() -> None:
+    """Remove the log folders :func:`new_log_dirs` found, when the run is refused before its loop started (only
+    TensorBoard's events, ``config.yaml`` and ``hparams.yaml`` are in them then)."""
+    for path in _NEW_LOG_DIRS.get():
+        shutil.rmtree(path, ignore_errors=True)
+    _NEW_LOG_DIRS.set(())
 
 
 class ShowHeldLogs(Callback):
@@ -270,21 +299,25 @@ class ShowHeldLogs(Callback):
     def __init__(self, held: HeldLogs) -> None:
         self.held = held
 
+    def _started(self) -> None:
+        self.held.show()
+        _NEW_LOG_DIRS.set(())  # the loop ran: its logs are the run's
+
     @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.held.show()
+        self._started()
 
     @override
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self.held.show()  # validate; in fit, the sanity check runs before on_train_start
+        self._started()  # validate; in fit, the sanity check runs before on_train_start
 
     @override
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
-        self.held.show()
+        self._started()
 
     @override
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
-        self.held.show()
+        self._started()
 
 
 def requested_subcommand(args: Any) -> str | None:
@@ -523,6 +556,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:
         if is_user_error(err, during_setup=not _RUNNING.get()):
             held.drop()
+            remove_new_log_dirs()
             exit_with_error(err)
         raise
     finally:

@@ -134,6 +134,15 @@ def _argparse_line(message: str) -> tuple[str, str]:
     option = re.search(r"Problem with given class_path '([\w.]+)': Option '(\w+)' is not accepted", text)
     if key and option:  # an init_args key the class does not take: jsonargparse reports the whole union
         return _unknown_init_arg(key.group(1), option.group(1), option.group(2))
+    # A value of the wrong type for a class's init_arg (``--trainer.strategy.init_args.cp=abc``): jsonargparse reports
+    # the whole union again; the class's own line names the argument and what it expected.
+    bad_value = re.search(r"Problem with given class_path '[\w.]+': Parser key \"(\w+)\": (.+?)(?: - |$)", text)
+    if key and bad_value:
+        said = bad_value.group(2).strip()
+        typed = re.match(r"Expected a <class '(\w+)'>\. Got value: (.*?) Given value type:", said)
+        if typed:
+            said = f"expected {typed.group(1)}, got {typed.group(2)}"
+        return f"{key.group(1)}.init_args.{bad_value.group(1)}", said
     if key:
         return key.group(1), key.group(2)
     if text.startswith("Unexpected config"):  # an empty --config file (YAML null), or one that is no mapping

@@ -237,7 +237,10 @@ def gb(n: float) -> str:
 def format_text(est: Estimate) -> str:
     """The human-readable report."""
     d = est.degrees
-    axes = " x ".join(f"{k}={v}" for k, v in d.items() if v > 1) or "one rank"
+    # ep borrows its ranks from dp_shard (x cp): it is no factor of the world size, so it is named apart.
+    axes = " x ".join(f"{k}={v}" for k, v in d.items() if v > 1 and k != "ep") or "one rank"
+    if d.get("ep", 1) > 1:
+        axes += f", ep={d['ep']} within dp_shard{' x cp' if d.get('cp', 1) > 1 else ''}"
     lines = [
         f"kforge estimate: {est.num_nodes} x {est.devices_per_node} ranks ({axes}), "
         f"{est.model_params / 1e9:.2f}B parameters, {gb(est.gpu_memory_bytes)} per GPU",

@@ -165,6 +165,7 @@ def test_debug_recipe_short_run_checkpoints_and_resumes(tmp_path, shakespeare_to
     assert proc.returncode == 2 and proc.stdout.strip() == "", proc.stdout[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kforge: error: data.micro_batch_size: resuming must keep"), lines
+    assert sorted(p.name for p in (tmp_path / "runs").rglob("version_*")) == ["version_0", "version_1"]  # none new
     events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
     assert events
     # `kforge validate` on the step-8 checkpoint reproduces the validation loss the run logged at step 8.

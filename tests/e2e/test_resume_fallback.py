@@ -322,3 +322,4 @@ def test_a_changed_global_batch_on_resume_is_one_line_exit_2(tmp_path, shakespea
         assert banner not in text, text[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     assert not (tmp_path / "ckpt" / "step=000006.ckpt").exists()  # nothing trained, nothing written
+    assert not (tmp_path / "runs").exists()  # the logger's folder the refused run had created is gone

@@ -207,3 +207,14 @@ def test_user_errors_pickle_with_their_field():
     assert (type(err), err.field, err.joined, err.expected, str(err)) == (
         RendezvousTimeoutError, "trainer.num_nodes", 1, 2, "1 of 2 joined"
     )  # fmt: skip
+
+
+def test_a_value_of_the_wrong_type_for_an_init_arg_names_the_arg_not_the_union():
+    message = (
+        'Parser key "trainer.strategy":\n  Does not validate against any of the Union subtypes\n  Subtypes: [<class '
+        "'str'>, <class 'lightning.pytorch.strategies.strategy.Strategy'>]\n  Errors:\n    - Expected a <class 'str'>\n"
+        "    - Problem with given class_path 'kempnerforge.strategies.KempnerStrategy':\n        Parser key \"cp\":\n"
+        "          Expected a <class 'int'>. Got value: abc\n  Given value type: <class 'jsonargparse._util.NestedArg'>\n"
+        "  Given value: NestedArg(key='cp', val='abc')"
+    )
+    assert argparse_error_line(message) == "kforge: error: trainer.strategy.init_args.cp: expected int, got abc"
