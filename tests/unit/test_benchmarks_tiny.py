@@ -19,9 +19,18 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+#: The scripts, by the name each test uses.
+SCRIPTS = {
+    "fused_projections": "benchmarks/fused_projections.py",
+    "loss_path": "benchmarks/loss_path.py",
+    "moe_step": "benchmarks/moe_step.py",
+    "init_time": "benchmarks/init_time.py",
+}
+
+
 def _run(script: str, *args: str, tmp: Path, codes: tuple[int, ...] = (0,)) -> dict:
     out = tmp / f"{script}.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / f"{script}.py"), *args, "--json", str(out)]
+    cmd = [sys.executable, str(REPO / SCRIPTS[script]), *args, "--json", str(out)]
     proc = run_group(cmd, cwd=tmp, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode in codes, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(out.read_text())

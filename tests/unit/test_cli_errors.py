@@ -71,7 +71,9 @@ def test_lines_are_one_line_with_the_field_first():
     )
 
 
-def test_held_logs_are_shown_in_order_or_dropped():
+@pytest.fixture
+def lightning_lines():
+    """``(seen, logger)``: the messages Lightning's own logger handled, in order, and a child logger to emit on."""
     seen: list[str] = []
 
     class Collect(logging.Handler):
@@ -82,22 +84,24 @@ def test_held_logs_are_shown_in_order_or_dropped():
     level = lightning.level
     lightning.addHandler(collect)
     lightning.setLevel(logging.INFO)
-    logger = logging.getLogger("lightning.pytorch.kforge_test")
-    try:
-        held = HeldLogs().hold()
-        logger.info("one")
-        logger.warning("two")
-        assert seen == [] and [r.getMessage() for r in held.records] == ["one", "two"]
-        held.show()
-        assert seen == ["one", "two"]  # through Lightning's own handlers, in order
-        held = HeldLogs().hold()
-        logger.info("three")
-        held.drop()
-        logger.info("four")  # the handlers are back
-        assert seen == ["one", "two", "four"]
-    finally:
-        lightning.removeHandler(collect)
-        lightning.setLevel(level)
+    yield seen, logging.getLogger("lightning.pytorch.kforge_test")
+    lightning.removeHandler(collect)
+    lightning.setLevel(level)
+
+
+def test_held_logs_are_shown_in_order_or_dropped(lightning_lines):
+    seen, logger = lightning_lines
+    held = HeldLogs().hold()
+    logger.info("one")
+    logger.warning("two")
+    assert seen == [] and [r.getMessage() for r in held.records] == ["one", "two"]
+    held.show()
+    assert seen == ["one", "two"]  # through Lightning's own handlers, in order
+    held = HeldLogs().hold()
+    logger.info("three")
+    held.drop()
+    logger.info("four")  # the handlers are back
+    assert seen == ["one", "two", "four"]
 
 
 def test_held_logs_hold_python_warnings_in_order_with_the_log_lines(monkeypatch):
@@ -120,37 +124,23 @@ def test_held_logs_hold_python_warnings_in_order_with_the_log_lines(monkeypatch)
         assert shown == ["warmup clamped", "after"]
 
 
-def test_held_logs_show_by_themselves_after_a_slow_start():
-    seen: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record.getMessage())
-
-    lightning, collect = logging.getLogger("lightning.pytorch"), Collect()
-    level = lightning.level
-    lightning.addHandler(collect)
-    lightning.setLevel(logging.INFO)
-    logger = logging.getLogger("lightning.pytorch.kforge_test")
-    try:
-        held = HeldLogs().hold()
-        logger.info("rendezvous")
-        held.release_after(0.05)
-        deadline = time.monotonic() + 10
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert seen == ["rendezvous"]  # a hang still shows its last lines
-        logger.info("after")
-        assert seen == ["rendezvous", "after"]
-        held = HeldLogs().hold()
-        held.release_after(0.05)
-        held.drop()  # a user error before the timer: nothing is shown, then or later
-        logger.info("x")
-        time.sleep(0.2)
-        assert seen == ["rendezvous", "after", "x"]
-    finally:
-        lightning.removeHandler(collect)
-        lightning.setLevel(level)
+def test_held_logs_show_by_themselves_after_a_slow_start(lightning_lines):
+    seen, logger = lightning_lines
+    held = HeldLogs().hold()
+    logger.info("rendezvous")
+    held.release_after(0.05)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == ["rendezvous"]  # a hang still shows its last lines
+    logger.info("after")
+    assert seen == ["rendezvous", "after"]
+    held = HeldLogs().hold()
+    held.release_after(0.05)
+    held.drop()  # a user error before the timer: nothing is shown, then or later
+    logger.info("x")
+    time.sleep(0.2)
+    assert seen == ["rendezvous", "after", "x"]
 
 
 def test_a_message_that_starts_with_its_field_names_it_once():
