@@ -118,20 +118,15 @@ def _check_metadata(field: str, data_dir: str, vocab_size: Any = None) -> None:
         PathError: naming ``field``, when the record is not valid JSON or lacks what the dataset reads.
         UserError: naming ``field``, when the data was tokenized with more ids than the model has.
     """
-    from kempnerforge.data.memmap import TokenDataError, read_metadata
+    from kempnerforge.data.memmap import TokenDataError, read_metadata, vocab_mismatch
 
     try:
         meta = read_metadata(data_dir)
     except TokenDataError as err:
         raise PathError(field, f"{err}; prepare it again (kforge prepare-data --output_dir {data_dir})") from err
-    data_vocab = meta.get("vocab_size")
-    if isinstance(vocab_size, int) and isinstance(data_vocab, int) and data_vocab > vocab_size:
-        raise UserError(
-            field,
-            f"{data_dir} was tokenized with vocab_size={data_vocab} (tokenizer {meta.get('tokenizer')!r}) but the "
-            f"model's vocab_size={vocab_size}; the model's vocab_size must be >= {data_vocab} "
-            "(model.config.vocab_size), or prepare the data with the model's tokenizer",
-        )
+    problem = vocab_mismatch(meta, vocab_size, data_dir)  # the dataset's own check, before any process starts
+    if problem:
+        raise UserError(field, f"{problem} (model.config.vocab_size), or prepare the data with the model's tokenizer")
 
 
 def check_ckpt_path(strategy: Any, ckpt_path: Any, world: WorldSpec) -> None:

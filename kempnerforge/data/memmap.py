@@ -160,12 +160,9 @@ class MemmapTokenDataset(Dataset):
         data_vocab = int(self.metadata["vocab_size"])
         if vocab_size is None:
             return data_vocab
-        if data_vocab > vocab_size:
-            raise TokenDataError(
-                f"{METADATA_FILE} of {str(self.data_dir)!r} has vocab_size={data_vocab} (tokenizer "
-                f"{self.metadata.get('tokenizer')!r}) but the model's vocab_size={vocab_size}; the model's "
-                f"vocab_size must be >= {data_vocab}"
-            )
+        problem = vocab_mismatch(self.metadata, vocab_size, self.data_dir)
+        if problem:
+            raise TokenDataError(problem)
         return int(vocab_size)
 
     def _open(self, entry: dict[str, Any], check_token_ids: bool) -> np.ndarray:
@@ -254,6 +251,18 @@ class MemmapTokenDataset(Dataset):
         state = self.__dict__.copy()
         state["_arrays"] = None  # a pickled memmap would copy the whole shard
         return state
+
+
+def vocab_mismatch(metadata: dict[str, Any], vocab_size: int | None, data_dir: str | os.PathLike) -> str | None:
+    """What is wrong when ``data_dir`` (its ``metadata``) was tokenized with more ids than the model's
+    ``vocab_size`` has; None when it fits or either size is unknown."""
+    data_vocab = metadata.get("vocab_size")
+    if not isinstance(vocab_size, int) or not isinstance(data_vocab, int) or data_vocab <= vocab_size:
+        return None
+    return (
+        f"{METADATA_FILE} of {str(data_dir)!r} has vocab_size={data_vocab} (tokenizer {metadata.get('tokenizer')!r}) "
+        f"but the model's vocab_size={vocab_size}; the model's vocab_size must be >= {data_vocab}"
+    )
 
 
 def check_token_dir(path: str | os.PathLike, field: str) -> None:

@@ -91,7 +91,7 @@ def test_fit_refuses_data_tokenized_beyond_the_models_vocabulary(tmp_path, start
         f"--data.data_dir={shakespeare_tokens}", "--model.config.vocab_size=1000",
     )  # fmt: skip
     line = _one_line(result.returncode, result.stderr, "data.data_dir")
-    assert "tokenized with vocab_size=50257" in line and "the model's vocab_size=1000" in line, line
+    assert "has vocab_size=50257" in line and "the model's vocab_size=1000" in line, line
     assert started == [] and not root.exists() and not ckpt.exists(), (started, line)
 
 
