@@ -277,15 +277,7 @@ class CausalLM(LightningModule):
         full, batch = batch, self._cp_batch(batch)
         labels, w = batch["labels"], self.z_loss_weight
         if self.resolved_loss_impl in FUSED_IMPLS:
-            total, z_sum = self.model(
-                batch["input_ids"],
-                labels=labels,
-                loss_chunk_size=self.loss_chunk_size,
-                z_loss_weight=w,
-                doc_ids=batch.get("doc_ids"),
-                loss_impl=self.resolved_loss_impl,
-                **self._cp_kwargs(batch),
-            )
+            total, z_sum = self._fused_loss(batch, w, self.resolved_loss_impl)
             # z_sum is a constant here: total - w * z_sum has the CE value and total's gradient.
             return self._record_step(full, batch_idx, total - w * z_sum, (labels != IGNORE_INDEX).sum(), z_sum)
         logits = self._logits(batch)
@@ -296,6 +288,21 @@ class CausalLM(LightningModule):
         loss_sum, n_targets = token_cross_entropy_sum(logits, labels)
         z_sum = z_loss_sum(logits, labels) if w else None
         return self._record_step(full, batch_idx, loss_sum, n_targets, z_sum)
+
+    def _fused_loss(
+        self, batch: dict[str, torch.Tensor], z_loss_weight: float, loss_impl: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_sum + z_loss_weight * z_sum, z_sum)`` of one batch from the head fused with the loss (fp32 scalars,
+        nats; ``loss_impl``: ``chunked`` or ``liger``); a subclass feeds more inputs."""
+        return self.model(
+            batch["input_ids"],
+            labels=batch["labels"],
+            loss_chunk_size=self.loss_chunk_size,
+            z_loss_weight=z_loss_weight,
+            doc_ids=batch.get("doc_ids"),
+            loss_impl=loss_impl,
+            **self._cp_kwargs(batch),
+        )
 
     @staticmethod
     def _cp_kwargs(batch: dict) -> dict:
@@ -400,13 +407,7 @@ class CausalLM(LightningModule):
         batch = self._cp_batch(batch)
         labels = batch["labels"]
         if self.resolved_loss_impl in FUSED_IMPLS:
-            loss_sum, _ = self.model(
-                batch["input_ids"],
-                labels=labels,
-                loss_chunk_size=self.loss_chunk_size,
-                doc_ids=batch.get("doc_ids"),
-                **self._cp_kwargs(batch),
-            )
+            loss_sum, _ = self._fused_loss(batch, 0.0, "chunked")
             return loss_sum, (labels != IGNORE_INDEX).sum()
         return token_cross_entropy_sum(self._logits(batch), labels)
 
@@ -558,17 +559,20 @@ class VisionLanguage(CausalLM):
         encoder: the vision tower.
         connector: the connector.
         freeze: what trains at the start (a ``FreezeSchedule`` callback may change it by step).
-        optimizer, scheduler, grad_clip, init_seed, z_loss_weight: as :class:`CausalLM`.
-        loss_chunk_size: must be 0 (the backbone returns logits; chunked loss is text-decoder only).
-        loss_impl: ``auto`` or ``torch`` (both: the logits path with the in-place cross-entropy).
+        optimizer, scheduler, grad_clip, init_seed, z_loss_weight, loss_chunk_size, loss_impl: as :class:`CausalLM`
+            (``auto``: the head fused with the loss over token chunks with tp=1 and pp=1, on the text positions).
+        init_from: the language model's Hugging Face ``save_pretrained`` folder (Llama, Qwen 2 / 3, Mixtral, Qwen-MoE:
+            grouped-query attention): its ``config.json`` is the text model (``--model.config.*`` as
+            :class:`CausalLM`'s ``init_from``) and each rank reads its shard of the text weights after sharding;
+            what the text model lacks keeps its init (cross_attention: zero-gated cross blocks, so the model is the
+            text model at step 0; MoT: the text weights in every modality's tower; MoMa: every expert a copy of the
+            FFN, its routers random). The data's tokenizer defaults to the same folder. None: random init.
 
     Raises:
-        ValueError: ``loss_chunk_size`` != 0 or a fused ``loss_impl`` (at construction); the data's text length beyond what
-            ``max_seq_len`` allows for the arch (in :meth:`setup`).
+        ValueError: the data's text length beyond what ``max_seq_len`` allows for the arch (in :meth:`setup`).
+        UserError: see :class:`CausalLM` (``init_from``) and :func:`check_vlm_text_config`.
         MeshConfigError: parallel settings the VLM does not support (in :meth:`validate_parallel`).
     """
-
-    fused_head = False  # the backbones return logits
 
     supports_context_parallel = (
         "the vision-language backbones take no context-parallel positions or masks yet (their visual tokens and "
@@ -589,20 +593,20 @@ class VisionLanguage(CausalLM):
         loss_chunk_size: int = 0,
         z_loss_weight: float = 0.0,
         loss_impl: str = "auto",
+        init_from: str | None = None,
     ) -> None:
-        if loss_impl in FUSED_IMPLS:
-            raise ValueError(f"model.loss_impl={loss_impl} is not supported by VisionLanguage; use auto or torch.")
-        if loss_chunk_size:
-            raise ValueError(
-                f"model.loss_chunk_size={loss_chunk_size} is not supported by VisionLanguage; set it to 0."
-            )
-        if config.attention != "gqa":  # the VLM backbones build their own attention modules
-            raise ValueError(
-                f"model.config.attention={config.attention!r} is not supported by VisionLanguage; allowed: 'gqa'"
-            )
         super().__init__(
-            config, optimizer, scheduler, grad_clip, init_seed, loss_chunk_size, z_loss_weight, loss_impl=loss_impl
+            config,
+            optimizer,
+            scheduler,
+            grad_clip,
+            init_seed,
+            loss_chunk_size,
+            z_loss_weight,
+            init_from=init_from,
+            loss_impl=loss_impl,
         )
+        check_vlm_text_config(self.config, vlm, init_from)
         self.vlm_config, self.encoder_config, self.connector_config, self.freeze = vlm, encoder, connector, freeze
         self._skipped_clips: torch.Tensor | None = None  # this rank's count since the run started
         self._visual_positions: int | None = None  # visual tokens per sample in the last batch
@@ -673,19 +677,41 @@ class VisionLanguage(CausalLM):
         """Build the VLM once (on meta under KempnerStrategy) and apply the freeze spec."""
         if self.model is not None:
             return
-        self.model = VisionLanguageModel(self.config, self.vlm_config, self.encoder_config, self.connector_config)
+        self.model = VisionLanguageModel(
+            self.config, self.vlm_config, self.encoder_config, self.connector_config, init_from=self.init_from
+        )
         if not any(p.is_meta for p in self.model.parameters()):
             with torch.no_grad():
                 self.model.init_weights(seed=self.init_seed)
         apply_freeze(self.model, self.freeze)
 
-    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _media_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, dict]:
+        """The model's positional and keyword inputs for ``batch`` (ids, pixels, masks, the host count of real
+        frames); records the visual positions for :meth:`flops_per_token` (shapes only: no sync)."""
         pixels = batch.get("pixel_values")
-        if pixels is not None:  # for flops_per_token (shapes only: no sync)
+        if pixels is not None:
             self._visual_positions = (pixels.shape[1] if pixels.dim() == 5 else 1) * self.model.n_visual
-        masks = (batch.get(k) for k in ("text_mask", "visual_mask", "frame_mask"))
+        masks = tuple(batch.get(k) for k in ("text_mask", "visual_mask", "frame_mask"))
         # real_frames: the collator's host count of real frames (no read-back of frame_mask).
-        return self.model(batch["input_ids"], pixels, *masks, real_frames=batch.get("real_frames"))
+        return (batch["input_ids"], pixels, *masks), {"real_frames": batch.get("real_frames")}
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        args, kwargs = self._media_inputs(batch)
+        return self.model(*args, **kwargs)
+
+    def _fused_loss(
+        self, batch: dict[str, torch.Tensor], z_loss_weight: float, loss_impl: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`CausalLM._fused_loss` with the batch's pixels and masks."""
+        args, kwargs = self._media_inputs(batch)
+        return self.model(
+            *args,
+            **kwargs,
+            labels=batch["labels"],
+            loss_chunk_size=self.loss_chunk_size,
+            z_loss_weight=z_loss_weight,
+            loss_impl=loss_impl,
+        )
 
     @override
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None, **masks: Any) -> torch.Tensor:
@@ -771,6 +797,33 @@ class VisionLanguage(CausalLM):
                 f"matches whatever is frozen); got {type(optimizer).__name__}. Drop the schedule or use AdamW."
             )
         return out
+
+
+def check_vlm_text_config(text: ModelConfig, vlm: VLMConfig, init_from: str | None) -> None:
+    """The text model (``model.config``, or the folder's ``config.json`` under ``init_from``) is one the VLM
+    backbones build: grouped-query attention, and under ``init_from`` with ``moma`` an FFN whose width every
+    expert can copy (sparse upcycling).
+
+    Raises:
+        UserError: (a ``ValueError``) ``attention`` other than ``gqa`` (field ``model.config.attention``, or
+            ``model.init_from`` naming the folder's); ``moma`` experts of another width than the folder's FFN.
+    """
+    if text.attention != "gqa":  # the VLM backbones build their own attention modules
+        if init_from is not None:
+            raise UserError(
+                "model.init_from",
+                f"{init_from} is a {text.attention} model; VisionLanguage backbones take grouped-query attention "
+                "(Llama, Qwen 2/3, Mixtral, Qwen-MoE folders)",
+            )
+        raise UserError(
+            "model.config.attention", f"{text.attention!r} is not supported by VisionLanguage; allowed: 'gqa'"
+        )
+    if init_from is not None and vlm.arch == "moma" and text.expert_hidden != text.ffn_hidden:
+        raise UserError(
+            "model.config.expert_width_multiplier",
+            f"vlm.arch='moma' with model.init_from copies the folder's FFN (width {text.ffn_hidden}) into every "
+            f"expert, whose width is {text.expert_hidden}; allowed: 1 (experts as wide as the FFN)",
+        )
 
 
 def encoder_grid_and_width(cfg: VisionEncoderConfig) -> tuple[tuple[int, int], int]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from kempnerforge.checkpoint.hf_source import HFSource
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.errors import PathError, UserError
 
@@ -58,10 +60,21 @@ def hf_family_of(cfg: ModelConfig):
     return family_for_config(cfg).module
 
 
-def _sources(model: nn.Module, cfg: ModelConfig, disk: set[str], path: str | Path):
+def _sources(
+    model: nn.Module,
+    cfg: ModelConfig,
+    disk: set[str],
+    path: str | Path,
+    text_key: Callable[[str], str | None] | None = None,
+    copies: Callable[[str], int] | None = None,
+):
     """``(tensor, HFSource)`` for every parameter of ``model`` and every buffer the family loads (``HF_BUFFERS``,
     e.g. DeepSeek-V3's router correction bias), through the family's ``hf_source`` with the options the folder's
-    config sets (``hf_source_options``, e.g. DeepSeek-V3's ``rope_interleave``)."""
+    config sets (``hf_source_options``, e.g. DeepSeek-V3's ``rope_interleave``).
+
+    ``text_key`` maps a parameter's canonical FQN to the dense decoder's (a VLM backbone's
+    :meth:`~kempnerforge.model.vlm.base.VLMBackbone.text_key`; None: skip the parameter) and ``copies`` to the number
+    of copies stacked along a new dim 0 (:func:`repeated_source`); both default to the identity."""
     from kempnerforge.model.init import canonical_fqn
 
     family = hf_family_of(cfg)
@@ -69,10 +82,27 @@ def _sources(model: nn.Module, cfg: ModelConfig, disk: set[str], path: str | Pat
     loaded = getattr(family, "HF_BUFFERS", ())
     buffers = [(n, b) for n, b in model.named_buffers() if loaded and canonical_fqn(n).endswith(loaded)]
     for name, tensor in [*model.named_parameters(), *buffers]:
-        fqn = canonical_fqn(name)
+        own = canonical_fqn(name)
+        fqn = own if text_key is None else text_key(own)
+        if fqn is None:
+            continue
         if fqn == "output.weight" and cfg.tie_embeddings:  # a pipeline's last stage: its own copy of the tie
             fqn = "tok_embeddings.weight"
-        yield tensor, family.hf_source(fqn, cfg, disk, **options)
+        source = family.hf_source(fqn, cfg, disk, **options)
+        n = 0 if copies is None else copies(own)
+        yield tensor, repeated_source(source, n, own) if n else source
+
+
+def repeated_source(source: HFSource, n: int, fqn: str) -> HFSource:
+    """``n`` copies of the one-key ``source`` stacked along a new dim 0 (a MoMa expert group upcycled from the dense
+    FFN, Komatsuzaki et al., arXiv:2212.05055): each rank reads the block once per expert it stores.
+
+    Raises:
+        ValueError: ``source`` is itself a stack, a concatenation or a row permutation (names ``fqn``).
+    """
+    if source.stacked or source.concat or source.rows:
+        raise ValueError(f"{FIELD}: {fqn} stacks copies of a tensor that is not one HF block ({source})")
+    return HFSource(source.keys * n, offset=source.offset, stacked=True)
 
 
 def _check_all_read(model: nn.Module, path: str | Path, cfg: ModelConfig, disk: set[str], used: set[str]) -> None:
@@ -88,7 +118,14 @@ def _check_all_read(model: nn.Module, path: str | Path, cfg: ModelConfig, disk: 
 
 
 @torch.no_grad()
-def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> set[int]:
+def load_hf_weights_(
+    model: nn.Module,
+    path: str | Path,
+    cfg: ModelConfig,
+    *,
+    text_key: Callable[[str], str | None] | None = None,
+    copies: Callable[[str], int] | None = None,
+) -> set[int]:
     """Fill every parameter of ``model`` (plain tensors or DTensors of any FSDP2 / TP / EP layout, or a pipeline
     stage's part) from the HF folder ``path``, each rank reading only the elements it stores.
 
@@ -103,9 +140,10 @@ def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> se
         model: the materialized decoder (not on meta).
         path: the ``save_pretrained`` folder ``cfg`` was read from.
         cfg: its model config.
+        text_key, copies: for a VLM backbone, its parameters' dense FQNs and stacked copies (see :func:`_sources`).
 
     Returns:
-        The ``id`` of every parameter (all of them) and buffer filled.
+        The ``id`` of every parameter and buffer filled (every parameter unless ``text_key`` skips some).
 
     Raises:
         FileNotFoundError: no safetensors files.
@@ -122,7 +160,7 @@ def load_hf_weights_(model: nn.Module, path: str | Path, cfg: ModelConfig) -> se
     used: set[str] = set()
     with SafetensorsFolder(path) as folder:
         disk = folder.keys()
-        for param, source in _sources(model, cfg, disk, path):
+        for param, source in _sources(model, cfg, disk, path, text_key, copies):
             folder.read_source_(param, source)
             used.update(source.keys)
             done.add(id(param))

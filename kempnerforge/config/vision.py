@@ -43,6 +43,11 @@ class VisionEncoderConfig:
     """Attention heads of the vision tower (must divide ``hidden_size``)."""
     intermediate_size: int = 3072
     """MLP hidden width of the vision tower."""
+    feature_layer: int | None = None
+    """Which hidden state the connector reads, as LLaVA's ``vision_feature_layer``: an index into the tower's
+    ``hidden_states`` (0 the patch embeddings, -1 the last layer's output before SigLIP's post-layernorm, -2 the
+    penultimate layer, LLaVA-1.5's choice); None: the tower's ``last_hidden_state`` (SigLIP: after its
+    post-layernorm; CLIP: the last layer's output, as -1)."""
 
     def __post_init__(self) -> None:
         if self.pretrained_path is not None:

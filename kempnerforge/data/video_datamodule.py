@@ -24,7 +24,8 @@ class VideoTextDataModule(MediaTextDataModule):
     Args:
         source: the dataset path (see :class:`VideoTextDataset`).
         format: ``csv`` (WebVid), ``jsonl``, ``parquet`` or ``hf`` (a ``save_to_disk`` folder).
-        tokenizer: local tokenizer folder (``AutoTokenizer.from_pretrained``; no download).
+        tokenizer: local tokenizer folder (``AutoTokenizer.from_pretrained``; no download); under ``kforge`` its
+            default is ``model.init_from``'s folder (the language model's own tokenizer).
         max_text_len: text positions per sample (bos + caption tokens; eos is the last label).
         micro_batch_size: clips per step per data-parallel rank.
         val_fraction: share of clips held out, in [0, 1).
@@ -50,7 +51,7 @@ class VideoTextDataModule(MediaTextDataModule):
     def __init__(
         self,
         source: str,
-        tokenizer: str,
+        tokenizer: str | None = None,
         format: str = "csv",
         max_text_len: int = 64,
         micro_batch_size: int = 4,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from kempnerforge.errors import UserError
 from kempnerforge.data.datamodule import ResumableLoaders
 from kempnerforge.data.image_text import ImageTextCollator, ImageTextDataset
 
@@ -37,7 +38,7 @@ class MediaTextDataModule(ResumableLoaders, abc.ABC):
     def __init__(
         self,
         source: str,
-        tokenizer: str,
+        tokenizer: str | None,
         format: str,
         max_text_len: int,
         micro_batch_size: int,
@@ -56,6 +57,10 @@ class MediaTextDataModule(ResumableLoaders, abc.ABC):
             raise ValueError(f"data.num_workers={num_workers} must be >= 0.")
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"data.vocab_size={vocab_size} must be >= 1.")
+        if tokenizer is None:
+            raise UserError(
+                "data.tokenizer", "required: a local tokenizer folder (with model.init_from, that folder is the default)"
+            )
         self.save_hyperparameters()
         self.source, self.format, self.tokenizer_path = source, format, tokenizer
         self.max_text_len, self.micro_batch_size, self.val_fraction = max_text_len, micro_batch_size, val_fraction
@@ -113,7 +118,8 @@ class ImageTextDataModule(MediaTextDataModule):
     Args:
         source: the dataset path (see :class:`ImageTextDataset`).
         format: ``jsonl``, ``imagefolder`` or ``parquet``.
-        tokenizer: local tokenizer folder (``AutoTokenizer.from_pretrained``; no download).
+        tokenizer: local tokenizer folder (``AutoTokenizer.from_pretrained``; no download); under ``kforge`` its
+            default is ``model.init_from``'s folder (the language model's own tokenizer).
         max_text_len: text positions per sample (bos + caption tokens; eos is the last label).
         micro_batch_size: samples per step per data-parallel rank.
         val_fraction: share of records held out, in [0, 1).
@@ -131,7 +137,7 @@ class ImageTextDataModule(MediaTextDataModule):
     def __init__(
         self,
         source: str,
-        tokenizer: str,
+        tokenizer: str | None = None,
         format: str = "jsonl",
         max_text_len: int = 64,
         micro_batch_size: int = 4,

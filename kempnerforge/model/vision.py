@@ -107,7 +107,10 @@ class VisionEncoder(nn.Module):
 
     Shapes: forward(pixel_values (batch, 3, H, W)) -> (batch, n_patches, width) with
     ``n_patches = grid[0] * grid[1]`` in row-major patch order (CLIP's class token is dropped, as
-    LLaVA's ``select_feature="patch"``), the tower's last hidden state.
+    LLaVA's ``select_feature="patch"``), the tower's last hidden state or the one ``feature_layer`` names.
+
+    Raises:
+        UserError: ``feature_layer`` outside the tower's hidden states (at construction).
 
     When every parameter is frozen (``requires_grad=False``) the tower stays in eval mode whatever
     ``train()`` is called with (Lightning calls ``model.train()`` at the start of fit).
@@ -129,6 +132,14 @@ class VisionEncoder(nn.Module):
         side = hf_config.image_size // hf_config.patch_size
         self.grid = (side, side)
         self._drop_cls = self.family == "clip"
+        self.feature_layer = cfg.feature_layer
+        n_states = hf_config.num_hidden_layers + 1  # the embeddings, then each layer's output
+        if self.feature_layer is not None and not -n_states <= self.feature_layer < n_states:
+            raise UserError(
+                "model.encoder.feature_layer",
+                f"{self.feature_layer} is not a hidden state of this {hf_config.num_hidden_layers}-layer tower; "
+                f"allowed: {-n_states} to {n_states - 1}, or null (the last hidden state)",
+            )
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -148,8 +159,12 @@ class VisionEncoder(nn.Module):
         return super().train(mode and not self.frozen)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Patch features (batch, n_patches, width) of ``pixel_values`` (batch, 3, H, W)."""
-        hidden = self.model(pixel_values=pixel_values).last_hidden_state
+        """Patch features (batch, n_patches, width) of ``pixel_values`` (batch, 3, H, W): the hidden state
+        ``feature_layer`` names (LLaVA's ``vision_feature_layer``), or the tower's last hidden state."""
+        if self.feature_layer is None:
+            hidden = self.model(pixel_values=pixel_values).last_hidden_state
+        else:  # transformers keeps every layer's output for this; the later layers still run, as in LLaVA
+            hidden = self.model(pixel_values=pixel_values, output_hidden_states=True).hidden_states[self.feature_layer]
         return hidden[:, 1:] if self._drop_cls else hidden
 
     @torch.no_grad()

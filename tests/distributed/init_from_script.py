@@ -11,13 +11,20 @@
   split, FSDP2 rows cut inside ``wkv_a``'s RoPE rows): every parameter's full tensor and every router correction bias
   against the unsharded load of the same folder.
 
+- ``vlm_memory`` / ``vlm_layouts`` (issue 32, check 2): the same big folder loaded as the text model of a MoT VLM
+  (every text tensor read into both modality towers) under FSDP2, measured as ``memory``; the small Llama as the text
+  model of each VLM arch under FSDP2 and of joint_decoder and MoT under tp=2, every parameter against the unsharded
+  load.
+
 Rank 0 writes the records as JSON to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import gc
 import json
 import time
 
@@ -28,14 +35,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
 
 from kempnerforge.checkpoint.init_from import model_config_from_folder
+from kempnerforge.config.vision import ConnectorConfig
+from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.fused import join_state_dict
 from kempnerforge.model.transformer import Transformer
+from kempnerforge.model.vlm.model import VisionLanguageModel
 from kempnerforge.module import CausalLM
 from kempnerforge.parallel.expert_parallel import apply_ep
 from kempnerforge.parallel.fsdp import apply_fsdp
 from kempnerforge.parallel.tensor_parallel import apply_tp
 from kempnerforge.strategies import KempnerStrategy
 from kempnerforge.training.optimizers import OptimizerConfig
+from tests.vlm_tiny import tiny_encoder
 
 
 def _status_kb(field: str) -> int:
@@ -59,10 +70,22 @@ def _gather(value) -> list:
     return out
 
 
-def memory(folder: str, mesh) -> dict:
+def _vlm(folder: str, arch: str) -> VisionLanguageModel:
+    """A VLM of ``arch`` whose text model is the folder's (a tiny random SigLIP tower, mlp2 connector)."""
+    text = model_config_from_folder(folder)
+    vlm = VLMConfig(arch=arch, cross_attn_every=1, moma_experts_per_modality=2)
+    return VisionLanguageModel(text, vlm, tiny_encoder(), ConnectorConfig(), init_from=folder)
+
+
+def memory(folder: str, mesh, arch: str | None = None) -> dict:
+    """Host memory of loading ``folder`` under FSDP2: into a text model, or with ``arch`` into a VLM's backbone.
+    What an earlier call freed is handed back to the kernel first (``malloc_trim``): pages glibc kept resident would
+    be reused by ``to_empty`` and hide the load's own pages."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     cfg = model_config_from_folder(folder)
     with torch.device("meta"):
-        model = Transformer(cfg, init_from=folder)
+        model = Transformer(cfg, init_from=folder) if arch is None else _vlm(folder, arch)
     apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     dist.barrier()
@@ -113,10 +136,42 @@ def _tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _plain(folder: str) -> dict[str, torch.Tensor]:
-    model = Transformer(model_config_from_folder(folder), init_from=folder)
+def _plain(folder: str, arch: str | None = None) -> dict[str, torch.Tensor]:
+    model = Transformer(model_config_from_folder(folder), init_from=folder) if arch is None else _vlm(folder, arch)
     model.init_weights(seed=0)
     return {n: p.detach() for n, p in _tensors(model).items()}
+
+
+def _max_diff(model, want: dict[str, torch.Tensor], layout: str) -> dict:
+    """Max |full tensor - ``want``| over the sharded ``model``'s parameters (0.0: bitwise equal)."""
+    diff, sharded = 0.0, 0
+    got = _tensors(model)
+    assert got.keys() == want.keys(), (layout, sorted(got.keys() ^ want.keys()))
+    for key, param in got.items():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        sharded += int(hasattr(param, "full_tensor"))
+        diff = max(diff, (full.detach() - want[key]).abs().max().item())
+    return {"max_abs_diff": diff, "params": len(want), "sharded_params": sharded}
+
+
+def vlm_layouts(folder: str, mesh) -> dict:
+    """Each VLM arch from the text folder under FSDP2, joint_decoder and MoT under tp=2, against the unsharded load."""
+    out = {}
+    for arch, how in [(a, "fsdp2") for a in ("joint_decoder", "cross_attention", "mot", "moma")] + [
+        ("joint_decoder", "tp2"),
+        ("mot", "tp2"),
+    ]:
+        with torch.device("meta"):
+            model = _vlm(folder, arch)
+        if how == "tp2":
+            apply_tp(model, mesh, sequence_parallel=False, loss_parallel=True)
+        else:
+            apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        model.init_weights(seed=0)
+        out[f"vlm_{arch}_{how}"] = _max_diff(model, _plain(folder, arch), arch)
+    return out
 
 
 def layouts(folders: dict[str, str], mesh) -> dict:
@@ -139,14 +194,7 @@ def layouts(folders: dict[str, str], mesh) -> dict:
         model.init_weights(seed=0)
         want = _plain(folder)
         want = join_state_dict(want, cfg) if layout.startswith("fused") else want
-        diff, sharded = 0.0, 0
-        got = _tensors(model)
-        assert got.keys() == want.keys(), (layout, sorted(got.keys() ^ want.keys()))
-        for key, param in got.items():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            sharded += int(hasattr(param, "full_tensor"))
-            diff = max(diff, (full.detach() - want[key]).abs().max().item())
-        out[layout] = {"max_abs_diff": diff, "params": len(want), "sharded_params": sharded}
+        out[layout] = _max_diff(model, want, layout)
     return out
 
 
@@ -162,13 +210,13 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    record = {"memory": memory(args.big, mesh)}
+    record = {"memory": memory(args.big, mesh), "vlm_memory": memory(args.big, mesh, arch="mot")}
     ds = args.deepseek_v3
     record["layouts"] = layouts(
         {"tp2": args.small, "ep2": args.mixtral, "fsdp2": args.qwen2_moe, "ds_tp2": ds, "ds_ep2": ds, "ds_fsdp2": ds}
         | {"fused_tp2": args.small, "fused_fsdp2": args.small},
         mesh,
-    )
+    ) | vlm_layouts(args.small, mesh)
     gen = torch.Generator().manual_seed(0)
     seq = torch.randint(0, model_config_from_folder(args.small).vocab_size, (4, 17), generator=gen)
     record["loss"] = {"kforge": first_step_loss(args.small, seq), "tokens": seq.tolist()}

@@ -9,6 +9,9 @@
   unsharded load bitwise; so do tp=2, ep=2 and FSDP2 loads of a tiny DeepSeek-V3 (interleaved RoPE rows permuted
   per rank, ``kv_lora_rank=4`` so FSDP2 cuts ``wkv_a`` inside its RoPE rows; fused shared expert; correction bias),
   and tp=2 / FSDP2 loads of the Llama folder into fused ``wqkv`` / ``w13`` (issue 21) equal the joined unsharded load.
+- Issue 32, check 2: the big folder as the text model of a MoT VLM (every block tensor read into both modality towers: the
+  decoder is 1.8 x the folder) under FSDP2: the load's peak per rank below 0.6 x that decoder's size; each of the
+  four VLM archs from the small folder under FSDP2, and joint_decoder / MoT under tp=2, equal the unsharded load.
 """
 
 from __future__ import annotations
@@ -91,7 +94,16 @@ def test_init_from_on_two_ranks(tmp_path):
         # tensors, or keeping every mapped page, would be at least one model's size.
         peak = mem["materialize_bytes"][rank] + mem["load_bytes"][rank]
         assert mem["shard_bytes"][rank] <= peak < 0.6 * mem["model_bytes"], (rank, mem)
-    assert {"ds_tp2", "ds_ep2", "ds_fsdp2", "fused_tp2", "fused_fsdp2"} <= record["layouts"].keys()
+    vlm = record["vlm_memory"]
+    decoder_bytes = vlm["model_bytes"]  # the MoT backbone (both towers) and the tiny vision tower
+    assert decoder_bytes > 1.7 * mem["model_bytes"], (vlm, mem)  # embedding and head are not per modality
+    for rank in range(2):
+        peak = vlm["materialize_bytes"][rank] + vlm["load_bytes"][rank]
+        assert vlm["shard_bytes"][rank] <= peak < 0.6 * decoder_bytes, (rank, vlm)
+    archs = ("joint_decoder", "cross_attention", "mot", "moma")
+    want_layouts = {"ds_tp2", "ds_ep2", "ds_fsdp2", "fused_tp2", "fused_fsdp2"}
+    want_layouts |= {f"vlm_{a}_fsdp2" for a in archs} | {"vlm_joint_decoder_tp2", "vlm_mot_tp2"}
+    assert want_layouts <= record["layouts"].keys()
     for layout, rec in record["layouts"].items():
         assert rec["max_abs_diff"] == 0.0 and rec["sharded_params"] > 0, (layout, rec)
     want = _hf_loss(folders["small"], record["loss"]["tokens"])
@@ -101,5 +113,7 @@ def test_init_from_on_two_ranks(tmp_path):
         f"init_from {mem['n_params'] / 1e6:.0f}M params ({mem['model_bytes'] / mib:.0f} MiB fp32) on 2 ranks: to_empty "
         f"{[round(b / mib) for b in mem['materialize_bytes']]} MiB (lazy), load peak "
         f"{[round(b / mib) for b in mem['load_bytes']]} MiB (shards {[round(b / mib) for b in mem['shard_bytes']]} MiB) in "
-        f"{[round(s, 1) for s in mem['load_s']]} s; first-step loss {record['loss']['kforge']:.6f} vs HF {want:.6f}"
+        f"{[round(s, 1) for s in mem['load_s']]} s; first-step loss {record['loss']['kforge']:.6f} vs HF {want:.6f}; "
+        f"as a MoT VLM ({vlm['model_bytes'] / mib:.0f} MiB): load peak {[round(b / mib) for b in vlm['load_bytes']]} "
+        f"MiB (shards {[round(b / mib) for b in vlm['shard_bytes']]} MiB)"
     )

@@ -116,14 +116,47 @@ def siglip_so400m(folder: Path) -> Path:
 
 
 def test_vlm_7b_siglip2_fits_without_encoder_weights(tmp_path):
+    """Issue 32, check 5: both pretrained parts as config.json-only folders (the LLM through ``init_from``)."""
     encoder = siglip_so400m(tmp_path / "siglip")
-    data = _estimate("vlm_7b_siglip2", 2, 4, f"--model.init_args.encoder.pretrained_path={encoder}")
+    llm = llama31_8b_config(tmp_path / "Llama-3.1-8B")
+    data = _estimate(
+        "vlm_7b_siglip2", 2, 4, f"--model.init_args.encoder.pretrained_path={encoder}",
+        f"--model.init_args.init_from={llm}",
+    )  # fmt: skip
     _assert_fits_and_sharded(data, 8)
+    header = _header(CONFIGS / "vlm_7b_siglip2.yaml")
+    assert f"fits, peak {_verdict_figures(data)} per rank in stage 1" in header, header
     (role,) = data["roles"]
     # LLaVA stage 1: only the connector trains (encoder and backbone frozen), so gradients are tiny, while the
     # optimizer already holds the state of everything trainable later (the backbone) as the recipe's schedule needs.
     assert role["grads_bytes"] < 0.01 * role["params_bytes"]
     assert role["optimizer_bytes"] > role["params_bytes"]
+
+
+def _header(recipe: Path) -> str:
+    """The recipe's leading comment as one line."""
+    lines = recipe.read_text().splitlines()
+    return " ".join(
+        line.removeprefix("#").strip()
+        for line in lines[: next(i for i, x in enumerate(lines) if not x.startswith("#"))]
+    )
+
+
+def _verdict_figures(data: dict) -> str:
+    """``"<peak> GB + <allowance> GB allowance = <total> GB"`` from the estimate's verdict."""
+    import re
+
+    found = re.search(r"peak ([0-9.]+ GB) \+ allowance ([0-9.]+ GB) = ([0-9.]+ GB)", format_text(data["_object"]))
+    return f"{found[1]} + {found[2]} allowance = {found[3]}"
+
+
+def test_vlm_7b_siglip2_stage_2_figures_are_the_header_s(tmp_path):
+    encoder, llm = siglip_so400m(tmp_path / "siglip"), llama31_8b_config(tmp_path / "Llama-3.1-8B")
+    data = _estimate(
+        "vlm_7b_siglip2", 2, 4, f"--model.init_args.encoder.pretrained_path={encoder}",
+        f"--model.init_args.init_from={llm}", "--model.init_args.freeze.backbone=false",
+    )  # fmt: skip
+    assert f"{_verdict_figures(data)} in stage 2" in _header(CONFIGS / "vlm_7b_siglip2.yaml")
 
 
 def llama31_8b_config(folder: Path) -> Path:

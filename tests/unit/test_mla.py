@@ -244,7 +244,7 @@ def test_mla_on_cuda_flex_and_bf16(monkeypatch):
 def test_vision_language_refuses_mla():
     from kempnerforge.module import VisionLanguage
 
-    with pytest.raises(ValueError, match="model.config.attention='mla' is not supported by VisionLanguage"):
+    with pytest.raises(ValueError, match="'mla' is not supported by VisionLanguage"):
         VisionLanguage(config=_cfg())
 
 

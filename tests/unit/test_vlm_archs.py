@@ -12,6 +12,7 @@ from kempnerforge.model.vlm import ARCHS, build_backbone
 from kempnerforge.model.vlm.model import VisionLanguageModel
 from kempnerforge.module import VisionLanguage, check_vlm_lengths
 from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
+from kempnerforge.training.freeze import FreezeSpec
 from kempnerforge.training.loss import token_cross_entropy_sum
 from tests.vlm_tiny import tiny_connector, tiny_encoder, tiny_text, tiny_vlm
 
@@ -190,9 +191,39 @@ def test_vlm_with_moe_and_tp_is_refused():
     module.validate_parallel(ParallelDims(dp_shard=2, ep=2, world_size=2))  # EP alone stays allowed
 
 
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_fused_chunked_loss_equals_the_logits_loss_and_its_gradients(arch):
+    """Issue 32, the text path's fused head + loss on every backbone: the ``chunked`` loss over 5-token chunks
+    (text positions only; padded labels ignored) equals the full-logits cross-entropy, value and every gradient;
+    ``loss_impl=auto`` picks it at tp=1, pp=1 as for text, and ``torch`` under tp=2."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 9))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    labels[1, 5:] = -100
+    batch = {"input_ids": ids, "labels": labels, "pixel_values": torch.randn(2, 3, 32, 32)}
+    out = {}
+    for impl, chunk in (("torch", 0), ("chunked", 5)):
+        module = VisionLanguage(config=tiny_text(), vlm=tiny_vlm(arch), encoder=tiny_encoder(), loss_impl=impl,
+                                loss_chunk_size=chunk, freeze=FreezeSpec(encoder=False))  # fmt: skip
+        module.configure_model()
+        if impl == "torch":
+            loss_sum, _ = token_cross_entropy_sum(module._logits(batch), labels)
+        else:
+            loss_sum, _ = module._fused_loss(batch, 0.0, "chunked")
+        loss_sum.backward()
+        out[impl] = loss_sum.detach(), {n: p.grad for n, p in module.model.named_parameters() if p.grad is not None}
+    (want, want_grads), (got, got_grads) = out["torch"], out["chunked"]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    auto = VisionLanguage(config=tiny_text(), vlm=tiny_vlm(arch), encoder=tiny_encoder())
+    assert auto.resolved_loss_impl == "chunked"
+    auto.validate_parallel(ParallelDims(tp=2, world_size=2))
+    assert auto.resolved_loss_impl == "torch"
+
+
 def test_vlm_module_refuses_what_it_does_not_support():
-    with pytest.raises(ValueError, match="model.loss_chunk_size=64 is not supported by VisionLanguage"):
-        VisionLanguage(loss_chunk_size=64)
     vlm = VisionLanguage(
         config=tiny_text(), vlm=tiny_vlm("cross_attention", cross_attn_n_kv_heads=1), encoder=tiny_encoder()
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from kempnerforge.model.tp_plan import TPPlan
 
 #: arch name -> backbone class; filled by :func:`register_arch`.
 ARCHS: dict[str, type[VLMBackbone]] = {}
+
+#: Key fragments of weights a VLM backbone adds to the text model (not in a text checkpoint: they keep their init).
+NEW_KEY_PARTS: tuple[str, ...] = (".cross_",)
 
 
 class VLMBackbone(nn.Module, abc.ABC):
@@ -41,11 +45,39 @@ class VLMBackbone(nn.Module, abc.ABC):
     """
 
     layers: nn.ModuleDict
+    #: A Hugging Face ``save_pretrained`` folder of the text model (``model.init_from``): :meth:`init_weights` reads
+    #: each parameter's shard from it (:meth:`load_init_from_`); None: random init.
+    init_from: str | None = None
 
     def __init__(self, text: ModelConfig, vlm: VLMConfig) -> None:
         super().__init__()
         self.config = text
         self.vlm_config = vlm
+
+    def text_key(self, fqn: str) -> str | None:
+        """The dense :class:`~kempnerforge.model.Transformer` parameter (canonical FQN) that parameter ``fqn`` starts
+        from in a warm start, or None to keep its init (the weights the VLM adds: :data:`NEW_KEY_PARTS`)."""
+        return None if any(part in fqn for part in NEW_KEY_PARTS) else fqn
+
+    def text_copies(self, fqn: str) -> int:
+        """How many copies of :meth:`text_key`'s tensor parameter ``fqn`` stacks along a new dim 0 (MoMa's expert
+        groups, each expert a copy of the dense FFN); 0: the tensor itself."""
+        return 0
+
+    @torch.no_grad()
+    def load_init_from_(self) -> set[int]:
+        """With :attr:`init_from`, read every parameter that has a :meth:`text_key` from the folder, each rank only
+        the elements it stores (:func:`~kempnerforge.checkpoint.hf_load.load_hf_weights_`); the ids filled (empty
+        without a folder). The caller initializes the rest.
+
+        Raises:
+            KeyError, ValueError: see :func:`~kempnerforge.checkpoint.hf_load.load_hf_weights_`.
+        """
+        if self.init_from is None:
+            return set()
+        from kempnerforge.checkpoint.hf_load import load_hf_weights_
+
+        return load_hf_weights_(self, self.init_from, self.config, text_key=self.text_key, copies=self.text_copies)
 
     @abc.abstractmethod
     def forward(
@@ -54,8 +86,23 @@ class VLMBackbone(nn.Module, abc.ABC):
         visual: torch.Tensor | None,
         text_mask: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Text logits (batch, text, vocab_size) given text ids and visual tokens (shapes above)."""
+        labels: torch.Tensor | None = None,
+        **loss: Any,
+    ) -> Any:
+        """Text logits (batch, text, vocab_size) given text ids and visual tokens (shapes above); with ``labels``
+        (batch, text) the fused head + loss's ``(loss_sum, z_sum)`` instead (:meth:`head`)."""
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None, **loss: Any) -> Any:
+        """The final norm and output head on the text positions' hidden states ``h`` (batch, n_text, dim): logits
+        (batch, n_text, vocab_size), or with ``labels`` (batch, n_text) the head fused with the loss,
+        ``(loss_sum, z_sum)`` (fp32 scalars, nats; ``loss``: ``loss_impl``, ``loss_chunk_size``, ``z_loss_weight`` of
+        :func:`~kempnerforge.training.loss_impl.fused_head_loss`), so no logits-sized tensor exists. The norm runs
+        either way: under FSDP2 it gathers the ``[norm, output]`` unit, whose head weight is then read directly."""
+        if labels is None:
+            return self.output(self.norm(h))
+        from kempnerforge.training.loss_impl import fused_head_loss
+
+        return fused_head_loss(self.norm(h), self.output.weight, labels, **loss)
 
     @abc.abstractmethod
     def init_weights(self, seed: int = 0) -> None:

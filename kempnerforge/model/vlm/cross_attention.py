@@ -14,6 +14,8 @@ The text parts keep the dense decoder's module names, so a text checkpoint loads
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -188,8 +190,10 @@ class CrossAttentionDecoder(VLMBackbone):
         visual: torch.Tensor | None,
         text_mask: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Text logits (batch, n_text, vocab_size); raises ValueError when n_text > max_seq_len."""
+        labels: torch.Tensor | None = None,
+        **loss: Any,
+    ) -> Any:
+        """Text logits (batch, n_text, vocab_size), or with ``labels`` the fused loss (:meth:`VLMBackbone.head`); raises ValueError when n_text > max_seq_len."""
         seq = input_ids.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"text length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}")
@@ -202,7 +206,7 @@ class CrossAttentionDecoder(VLMBackbone):
             # self-attention takes the is_causal kernel (padding_attention_mask); the cross-attention masks
             # padded visual tokens.
             h = layer(h, rope, None, visual, visual_mask)
-        return self.output(self.norm(h))
+        return self.head(h, labels, **loss)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -211,10 +215,14 @@ class CrossAttentionDecoder(VLMBackbone):
         (``cross_attention.wo`` and ``cross_feed_forward.w2`` scaled like residual outputs), and both
         gates zero, so the model starts as the text model.
 
+        With :attr:`init_from`, the text parts are read from the text model's folder (:meth:`load_init_from_`); the
+        cross blocks keep this init.
+
         Raises:
             RuntimeError: a parameter no rule covers.
+            KeyError, ValueError: see :meth:`load_init_from_`.
         """
-        gates: set[int] = set()
+        gates: set[int] = self.load_init_from_()
         for layer in self.modules():  # through any AC / compile wrapper
             if isinstance(layer, CrossAttentionDecoderLayer) and layer.has_cross:
                 layer.cross_attention_gate.zero_()

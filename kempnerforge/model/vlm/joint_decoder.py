@@ -8,20 +8,20 @@ logits (the loss is on text only).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.attention import padding_attention_mask
+from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import model_rope_tables, pack_rope
 from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
 from kempnerforge.model.transformer import Transformer, TransformerBlock
-from kempnerforge.model.vlm.base import VLMBackbone, prefix_sequence, register_arch
-
-#: Key fragments of weights a VLM backbone adds to the text model (not expected in a text state dict).
-NEW_KEY_PARTS: tuple[str, ...] = (".cross_",)
+from kempnerforge.model.vlm.base import NEW_KEY_PARTS, VLMBackbone, prefix_sequence, register_arch
 
 
 def _is_new_key(key: str) -> bool:
@@ -55,8 +55,7 @@ class JointDecoder(VLMBackbone):
     (:func:`~kempnerforge.model.attention.padding_attention_mask`).
     """
 
-    # The dense decoder's weight init and tying apply unchanged (same module names and types).
-    init_weights = Transformer.init_weights
+    # The dense decoder's tying applies unchanged (same module names and types).
     tie_weights = Transformer.tie_weights
 
     def __init__(self, text: ModelConfig, vlm: VLMConfig) -> None:
@@ -78,6 +77,12 @@ class JointDecoder(VLMBackbone):
         """``n_visual + n_text``: both share the self-attention."""
         return n_visual + n_text
 
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """The dense decoder's rules (:meth:`Transformer.init_weights`, same module names and types), or with
+        :attr:`init_from` every parameter read from the text model's folder (identical FQNs)."""
+        init_decoder_(self, self.config, seed, done=self.load_init_from_())
+
     def load_text_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a dense Transformer state dict (identical FQNs). Raises ``KeyError`` naming missing/unknown keys."""
         load_matching_state(self, state)
@@ -88,8 +93,10 @@ class JointDecoder(VLMBackbone):
         visual: torch.Tensor | None,
         text_mask: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Text logits (batch, n_text, vocab_size); raises ValueError when n_visual + n_text > max_seq_len."""
+        labels: torch.Tensor | None = None,
+        **loss: Any,
+    ) -> Any:
+        """Text logits (batch, n_text, vocab_size), or with ``labels`` the fused loss (:meth:`VLMBackbone.head`); raises ValueError when n_visual + n_text > max_seq_len."""
         h, key_mask, _ = prefix_sequence(visual, self.tok_embeddings(input_ids), visual_mask, text_mask)
         seq = h.shape[1]
         if seq > self.rope_cos.shape[0]:
@@ -104,4 +111,4 @@ class JointDecoder(VLMBackbone):
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         n_text = input_ids.shape[1]
-        return self.output(self.norm(h[:, seq - n_text :]))
+        return self.head(h[:, seq - n_text :], labels, **loss)

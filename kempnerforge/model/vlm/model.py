@@ -10,6 +10,8 @@ DCP checkpoints hold ``encoder.*``, ``connector.*`` and ``backbone.*`` in one tr
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -37,17 +39,25 @@ class VisionLanguageModel(nn.Module):
     reach any real token.
 
     Build on the meta device, shard, ``to_empty``, then :meth:`tie_weights` and :meth:`init_weights`
-    (pretrained encoder weights are loaded from disk there, never lost to meta construction).
+    (pretrained encoder weights are loaded from disk there, never lost to meta construction). With ``init_from`` (a
+    Hugging Face folder of the text model, whose ``config.json`` gave ``text``) the backbone's text weights are read
+    from it there too, each rank only its shard (:meth:`~kempnerforge.model.vlm.base.VLMBackbone.load_init_from_`).
     """
 
     def __init__(
-        self, text: ModelConfig, vlm: VLMConfig, encoder: VisionEncoderConfig, connector: ConnectorConfig
+        self,
+        text: ModelConfig,
+        vlm: VLMConfig,
+        encoder: VisionEncoderConfig,
+        connector: ConnectorConfig,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.config = text
         self.encoder = VisionEncoder(encoder)
         self.connector = Connector(connector, self.encoder.width, text.dim, self.encoder.grid)
         self.backbone: VLMBackbone = build_backbone(text, vlm)
+        self.backbone.init_from = init_from
 
     @property
     def n_visual(self) -> int:
@@ -74,7 +84,8 @@ class VisionLanguageModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Encoder (pretrained from disk, or HF init from ``seed``), connector and backbone (per-FQN seeds)."""
+        """Encoder (pretrained from disk, or HF init from ``seed``), connector and backbone (the text model's folder
+        with ``init_from``, per-FQN seeds for the rest)."""
         self.encoder.init_weights(seed, prefix="encoder")
         self.connector.init_weights(seed, prefix="connector")
         self.backbone.init_weights(seed)
@@ -136,8 +147,12 @@ class VisionLanguageModel(nn.Module):
         visual_mask: torch.Tensor | None = None,
         frame_mask: torch.Tensor | None = None,
         real_frames: int | None = None,
-    ) -> torch.Tensor:
-        """Text logits (batch, text, vocab_size); see the class docstring for shapes.
+        labels: torch.Tensor | None = None,
+        **loss: Any,
+    ) -> Any:
+        """Text logits (batch, text, vocab_size); see the class docstring for shapes. With ``labels`` (batch, text)
+        the head fused with the loss instead, ``(loss_sum, z_sum)`` (``loss``: ``loss_impl``, ``loss_chunk_size``,
+        ``z_loss_weight``; :meth:`~kempnerforge.model.vlm.base.VLMBackbone.head`).
 
         ``frame_mask`` (batch, frames) expands to the visual tokens (``n_visual`` per frame) and is
         combined with ``visual_mask`` when both are given. ``real_frames`` (its number of True entries,
@@ -150,4 +165,4 @@ class VisionLanguageModel(nn.Module):
         if frame_mask is not None:
             per_token = frame_mask.repeat_interleave(self.n_visual, dim=1)
             visual_mask = per_token if visual_mask is None else visual_mask & per_token
-        return self.backbone(input_ids, visual, text_mask, visual_mask)
+        return self.backbone(input_ids, visual, text_mask, visual_mask, labels, **loss)

@@ -130,6 +130,10 @@ class MoMaBackbone(PrefixBackbone):
             return ".".join([*parts[:3], parts[-1], "weight"])  # layers.i.feed_forward.w1.weight
         return fqn
 
+    def text_copies(self, fqn: str) -> int:
+        """Expert weights stack ``moma_experts_per_modality`` copies of the dense FFN weight (0 for the rest)."""
+        return self.vlm_config.moma_experts_per_modality if ".experts." in fqn else 0
+
     def from_text(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         """Expert weights: the dense (out, in) matrix repeated over the group's experts."""
         if ".experts." not in fqn:

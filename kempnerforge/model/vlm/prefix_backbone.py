@@ -10,6 +10,7 @@ and the per-FQN seeded init loop (as :meth:`kempnerforge.model.Transformer.init_
 from __future__ import annotations
 
 import abc
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +39,7 @@ class PrefixBackbone(VLMBackbone):
     ``key_mask`` (batch, seq) bool or None marks real positions, ``attn_mask`` is the self-attention mask
     for :func:`~kempnerforge.model.attention.attend`, built once per forward; see
     :class:`~kempnerforge.model.vlm.dispatch.ModalityDispatch`), define :meth:`block_tp_plan`,
-    and may override :meth:`seed_fqn` (init) and :meth:`text_key` / :meth:`from_text` (warm start).
+    and may override :meth:`seed_fqn` (init) and :meth:`text_key` / :meth:`from_text` / :meth:`text_copies` (warm start).
 
     Shapes: see :class:`~kempnerforge.model.vlm.base.VLMBackbone`; RoPE ``rope_cos`` / ``rope_sin``
     (max_seq_len, head_dim) fp32 are non-persistent buffers recomputed by :meth:`init_weights`.
@@ -80,8 +81,11 @@ class PrefixBackbone(VLMBackbone):
         visual: torch.Tensor | None,
         text_mask: torch.Tensor | None = None,
         visual_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Text logits (batch, n_text, vocab_size) from ids (batch, n_text) and visual (batch, n_visual, dim).
+        labels: torch.Tensor | None = None,
+        **loss: Any,
+    ) -> Any:
+        """Text logits (batch, n_text, vocab_size) from ids (batch, n_text) and visual (batch, n_visual, dim), or
+        with ``labels`` (batch, n_text) the fused head + loss's ``(loss_sum, z_sum)`` (:meth:`VLMBackbone.head`).
 
         Raises:
             ValueError: shapes or dtypes of the inputs disagree (named), or ``n_visual + n_text``
@@ -97,7 +101,7 @@ class PrefixBackbone(VLMBackbone):
         rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
         for layer in self.layers.values():
             h = layer(h, rope, key_mask, dispatch, attn_mask)
-        return self.output(self.norm(h[:, n_vis:]))
+        return self.head(h[:, n_vis:], labels, **loss)
 
     def _check_inputs(self, input_ids, visual, text_mask, visual_mask) -> None:
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
@@ -164,15 +168,15 @@ class PrefixBackbone(VLMBackbone):
         outputs (``wo``, ``w2``) at init_std / sqrt(2 * n_layers); each drawn from (seed,
         :meth:`seed_fqn`) on CPU, so the result is sharding- and RNG-state-independent.
 
+        With :attr:`init_from`, every parameter with a :meth:`text_key` is read from the text model's folder instead
+        (:meth:`load_init_from_`, through :meth:`text_copies` for stacked copies); the rest (MoMa's routers) keeps
+        these rules.
+
         Raises:
             RuntimeError: a parameter no rule covers.
+            KeyError, ValueError: see :meth:`load_init_from_`.
         """
-        init_decoder_(self, self.config, seed, seed_fqn=self.seed_fqn)
-
-    def text_key(self, fqn: str) -> str | None:
-        """The dense :class:`~kempnerforge.model.Transformer` key a warm start copies into parameter
-        ``fqn`` (canonical), or None to keep the parameter as initialized. Identity here."""
-        return fqn
+        init_decoder_(self, self.config, seed, seed_fqn=self.seed_fqn, done=self.load_init_from_())
 
     def from_text(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         """The value of parameter ``fqn`` made from its dense tensor ``full``. Identity here."""
