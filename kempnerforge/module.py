@@ -567,6 +567,8 @@ class VisionLanguage(CausalLM):
             what the text model lacks keeps its init (cross_attention: zero-gated cross blocks, so the model is the
             text model at step 0; MoT: the text weights in every modality's tower; MoMa: every expert a copy of the
             FFN, its routers random). The data's tokenizer defaults to the same folder. None: random init.
+        float8_vision: with the strategy's ``float8_recipe``, convert the vision encoder's and connector's Linears
+            too; by default only the backbone's are FP8 (the tower, usually frozen, stays in the compute dtype).
 
     Raises:
         ValueError: the data's text length beyond what ``max_seq_len`` allows for the arch (in :meth:`setup`).
@@ -594,6 +596,7 @@ class VisionLanguage(CausalLM):
         z_loss_weight: float = 0.0,
         loss_impl: str = "auto",
         init_from: str | None = None,
+        float8_vision: bool = False,
     ) -> None:
         super().__init__(
             config,
@@ -608,6 +611,7 @@ class VisionLanguage(CausalLM):
         )
         check_vlm_text_config(self.config, vlm, init_from)
         self.vlm_config, self.encoder_config, self.connector_config, self.freeze = vlm, encoder, connector, freeze
+        self.float8_vision = float8_vision
         self._skipped_clips: torch.Tensor | None = None  # this rank's count since the run started
         self._visual_positions: int | None = None  # visual tokens per sample in the last batch
         self._skipped_clips_shown = 0
@@ -618,6 +622,7 @@ class VisionLanguage(CausalLM):
                 "encoder": asdict(encoder),
                 "connector": asdict(connector),
                 "freeze": asdict(freeze),
+                "float8_vision": float8_vision,
             }
         )
 
@@ -627,7 +632,7 @@ class VisionLanguage(CausalLM):
         Raises:
             MeshConfigError: ``moma`` with ``num_experts > 0`` (MoMa's experts are its own modality
                 groups) or ``ep > 1``; ``tp > 1`` with MoE layers (proven for CausalLM only); ``tp`` not
-                dividing ``cross_attn_n_kv_heads``; sequence parallelism or FP8 (not supported for VLMs).
+                dividing ``cross_attn_n_kv_heads``; sequence parallelism with an arch other than joint_decoder.
         """
         cfg, vlm = self.config, self.vlm_config
         if vlm.arch == "moma" and (cfg.num_experts > 0 or dims.ep > 1):
@@ -646,10 +651,13 @@ class VisionLanguage(CausalLM):
         if vlm.arch == "cross_attention" and kv is not None and kv % dims.tp:
             raise MeshConfigError(f"tp={dims.tp} must divide vlm.cross_attn_n_kv_heads={kv}.")
         strategy = self.trainer.strategy if _has_trainer(self) else None
-        if getattr(strategy, "sequence_parallel", False):
-            raise MeshConfigError("sequence_parallel=True is not supported for VisionLanguage; set it to False.")
-        if getattr(strategy, "float8_recipe", None) is not None:
-            raise MeshConfigError("float8_recipe is not supported for VisionLanguage; set it to null.")
+        sequence_parallel = getattr(strategy, "sequence_parallel", False)
+        if sequence_parallel and vlm.arch != "joint_decoder":
+            raise MeshConfigError(
+                f"sequence_parallel=True is not supported for vlm.arch={vlm.arch!r} (allowed: joint_decoder): its "
+                "per-modality dispatch or cross-attention reads the whole sequence; set it to False."
+            )
+        self._sequence_parallel_degree = dims.tp if sequence_parallel else 1
 
     def n_visual(self) -> int:
         """Visual tokens per image (from the configs alone; reads the encoder's config.json if pretrained)."""
@@ -678,8 +686,15 @@ class VisionLanguage(CausalLM):
         if self.model is not None:
             return
         self.model = VisionLanguageModel(
-            self.config, self.vlm_config, self.encoder_config, self.connector_config, init_from=self.init_from
+            self.config,
+            self.vlm_config,
+            self.encoder_config,
+            self.connector_config,
+            init_from=self.init_from,
+            float8_vision=self.float8_vision,
         )
+        # joint_decoder: the joint sequence is padded to a multiple of tp for sequence parallelism (validate_parallel)
+        self.model.backbone.sequence_parallel_degree = getattr(self, "_sequence_parallel_degree", 1)
         if not any(p.is_meta for p in self.model.parameters()):
             with torch.no_grad():
                 self.model.init_weights(seed=self.init_seed)

@@ -167,7 +167,8 @@ def float8_module_filter(module: nn.Module, fqn: str, *, out_shards: int = 1, in
     if isinstance(module.weight, DTensor):
         return False
     name = canonical_fqn(fqn)
-    if name in SKIP_FQNS or SKIP_FQN_PARTS.intersection(name.split(".")):
+    # A VLM's decoder lives under "backbone." (kempnerforge.model.vlm.model): its head is skipped as the text one.
+    if name.removeprefix("backbone.") in SKIP_FQNS or SKIP_FQN_PARTS.intersection(name.split(".")):
         return False
     if module.out_features % out_shards or module.in_features % in_shards:
         return False
@@ -305,6 +306,9 @@ def _reads_only_float8(module: nn.Module, key: str, rowwise_targets: set[str]) -
 def apply_float8(model: nn.Module, recipe: str | None, all_gather: bool = False) -> list[str]:
     """Swap the eligible ``nn.Linear`` modules of ``model`` for torchao ``Float8Linear`` in place.
 
+    Top-level modules the model names in ``float8_skip_roots`` (a VLM's ``encoder`` and ``connector`` unless
+    ``float8_vision``) are left in high precision.
+
     Parameters keep their names and shapes (``Float8Linear`` subclasses ``nn.Linear``), so init and
     checkpoints are unchanged; the forward casts input, weight and grad_output to float8 with dynamic
     scales (e4m3 forward; tensorwise uses e5m2 for gradients). With ``tp > 1`` the TP step already converted
@@ -337,10 +341,13 @@ def apply_float8(model: nn.Module, recipe: str | None, all_gather: bool = False)
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
-    if any(float8_module_filter(m, n) for n, m in model.named_modules()):
-        convert_to_float8_training(
-            model, module_filter_fn=float8_module_filter, config=_float8_config(recipe, all_gather)
-        )
+    skip_roots = tuple(getattr(model, "float8_skip_roots", ()))  # a VLM's vision tower and connector, by default
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        return canonical_fqn(fqn).split(".")[0] not in skip_roots and float8_module_filter(module, fqn)
+
+    if any(eligible(m, n) for n, m in model.named_modules()):
+        convert_to_float8_training(model, module_filter_fn=eligible, config=_float8_config(recipe, all_gather))
     converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
     if not converted:
         raise Float8ConfigError(

@@ -52,6 +52,10 @@ def main() -> None:
     p.add_argument("--schedule", action="store_true", help="start with the backbone frozen, unfreeze at step 3")
     p.add_argument("--ac", default="none")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--loss-impl", default="auto")
+    p.add_argument("--max-text-len", type=int, default=24)
+    p.add_argument("--float8", default=None, help="the strategy's float8_recipe (tensorwise, rowwise)")
     args = p.parse_args()
 
     seed_everything(0, workers=True)
@@ -72,9 +76,13 @@ def main() -> None:
         freeze=spec,
         optimizer=OptimizerConfig(lr=3e-3),
         scheduler=SchedulerConfig(warmup_steps=2, total_steps=20),
+        loss_impl=args.loss_impl,
     )
     data = ImageTextDataModule(
-        source=str(IMAGES / "captions.jsonl"), tokenizer=str(GPT2), max_text_len=24, micro_batch_size=args.micro_batch
+        source=str(IMAGES / "captions.jsonl"),
+        tokenizer=str(GPT2),
+        max_text_len=args.max_text_len,
+        micro_batch_size=args.micro_batch,
     )
     if args.ckpt_dir:
         callbacks.append(
@@ -84,7 +92,13 @@ def main() -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=KempnerStrategy(dp_shard=-1, tp=args.tp, activation_checkpointing=args.ac),
+        strategy=KempnerStrategy(
+            dp_shard=-1,
+            tp=args.tp,
+            activation_checkpointing=args.ac,
+            sequence_parallel=args.sequence_parallel,
+            float8_recipe=args.float8,
+        ),
         max_steps=args.steps,
         limit_val_batches=0,
         logger=False,
@@ -97,7 +111,12 @@ def main() -> None:
     if trainer.global_rank == 0:
         rec = callbacks[0]
         with open(args.out, "w") as f:
-            json.dump({"losses": rec.losses, "steps": rec.steps, "trainable": rec.trainable}, f)
+            sp_degree = module.model.backbone.sequence_parallel_degree if args.arch == "joint_decoder" else 1
+            from torchao.float8.float8_linear import Float8Linear
+
+            float8 = [n for n, m in module.model.named_modules() if isinstance(m, Float8Linear)]
+            record = {"losses": rec.losses, "steps": rec.steps, "trainable": rec.trainable, "sp_degree": sp_degree}
+            json.dump({**record, "float8": float8}, f)
 
 
 if __name__ == "__main__":

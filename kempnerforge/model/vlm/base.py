@@ -92,17 +92,19 @@ class VLMBackbone(nn.Module, abc.ABC):
         """Text logits (batch, text, vocab_size) given text ids and visual tokens (shapes above); with ``labels``
         (batch, text) the fused head + loss's ``(loss_sum, z_sum)`` instead (:meth:`head`)."""
 
-    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None, **loss: Any) -> Any:
-        """The final norm and output head on the text positions' hidden states ``h`` (batch, n_text, dim): logits
-        (batch, n_text, vocab_size), or with ``labels`` (batch, n_text) the head fused with the loss,
-        ``(loss_sum, z_sum)`` (fp32 scalars, nats; ``loss``: ``loss_impl``, ``loss_chunk_size``, ``z_loss_weight`` of
-        :func:`~kempnerforge.training.loss_impl.fused_head_loss`), so no logits-sized tensor exists. The norm runs
-        either way: under FSDP2 it gathers the ``[norm, output]`` unit, whose head weight is then read directly."""
+    def head(self, h: torch.Tensor, text: slice, labels: torch.Tensor | None = None, **loss: Any) -> Any:
+        """The final norm, then the output head on the text positions ``h[:, text]`` of the hidden states ``h``
+        (batch, seq, dim): logits (batch, n_text, vocab_size), or with ``labels`` (batch, n_text) the head fused
+        with the loss, ``(loss_sum, z_sum)`` (fp32 scalars, nats; ``loss``: ``loss_impl``, ``loss_chunk_size``,
+        ``z_loss_weight`` of :func:`~kempnerforge.training.loss_impl.fused_head_loss`), so no logits-sized tensor
+        exists. The norm runs on the whole sequence (under sequence parallelism its input is gathered there first;
+        under FSDP2 it gathers the ``[norm, output]`` unit, whose head weight the fused loss then reads)."""
+        normed = self.norm(h)[:, text]
         if labels is None:
-            return self.output(self.norm(h))
+            return self.output(normed)
         from kempnerforge.training.loss_impl import fused_head_loss
 
-        return fused_head_loss(self.norm(h), self.output.weight, labels, **loss)
+        return fused_head_loss(normed, self.output.weight, labels, **loss)
 
     @abc.abstractmethod
     def init_weights(self, seed: int = 0) -> None:

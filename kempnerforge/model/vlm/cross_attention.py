@@ -206,7 +206,7 @@ class CrossAttentionDecoder(VLMBackbone):
             # self-attention takes the is_causal kernel (padding_attention_mask); the cross-attention masks
             # padded visual tokens.
             h = layer(h, rope, None, visual, visual_mask)
-        return self.head(h, labels, **loss)
+        return self.head(h, slice(None), labels, **loss)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

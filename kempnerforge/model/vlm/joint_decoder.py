@@ -11,7 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
 
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
@@ -19,7 +22,7 @@ from kempnerforge.model.attention import padding_attention_mask
 from kempnerforge.model.decoder_init import init_decoder_
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import model_rope_tables, pack_rope
-from kempnerforge.model.tp_plan import TPPlan, dense_decoder_tp_plan
+from kempnerforge.model.tp_plan import TPPlan, VocabParallelEmbedding, dense_decoder_tp_plan
 from kempnerforge.model.transformer import Transformer, TransformerBlock
 from kempnerforge.model.vlm.base import NEW_KEY_PARTS, VLMBackbone, prefix_sequence, register_arch
 
@@ -69,9 +72,34 @@ class JointDecoder(VLMBackbone):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tie_weights()
 
+    #: Tensor-parallel ranks the joint sequence is split over with sequence parallelism (1: off); set by the module
+    #: before the transform chain (:meth:`kempnerforge.module.VisionLanguage.configure_model`).
+    sequence_parallel_degree: int = 1
+
     def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> TPPlan:
-        """The dense decoder's plan (:func:`~kempnerforge.model.tp_plan.dense_decoder_tp_plan`)."""
-        return dense_decoder_tp_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        """The dense decoder's plan (:func:`~kempnerforge.model.tp_plan.dense_decoder_tp_plan`); with
+        ``sequence_parallel`` (arXiv:2205.05198) the residual stream of the joint ``[visual; text]`` sequence is
+        sharded along it: the text embedding stays replicated (the visual tokens join it first), the first block's
+        input is split (``Replicate -> Shard(1)``: a local chunk, its gradient all-gathered), the final norm's input
+        gathered (the head then reads the text positions only), and the head takes a replicated input."""
+        plan = dense_decoder_tp_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        if sequence_parallel:
+            first = next(iter(self.layers))
+            plan.root["tok_embeddings"] = VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
+            plan.root[f"layers.{first}"] = PrepareModuleInput(
+                input_layouts=(Replicate(), None, None),
+                desired_input_layouts=(Shard(1), None, None),
+                use_local_output=True,
+            )
+            plan.root["norm"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+            plan.root["output"] = ColwiseParallel(
+                input_layouts=Replicate(),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            )
+        return plan
 
     def sequence_length(self, n_visual: int, n_text: int) -> int:
         """``n_visual + n_text``: both share the self-attention."""
@@ -104,11 +132,17 @@ class JointDecoder(VLMBackbone):
                 f"joint sequence of {seq} positions (visual + text) exceeds ModelConfig.max_seq_len="
                 f"{self.rope_cos.shape[0]}"
             )
-        rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        pad = -seq % self.sequence_parallel_degree
+        if pad:  # sequence parallelism splits evenly: positions after the last token, never attended, dropped
+            h = F.pad(h, (0, 0, 0, pad))
+            cos, sin = (torch.cat([t, t[-1:].expand(pad, -1)]) for t in (cos, sin))
+            key_mask = None if key_mask is None else F.pad(key_mask, (0, pad), value=True)
+        rope = pack_rope(cos, sin)  # int32 bits: no bf16 cast at the blocks
         # One mask for every layer. Text is right-padded, so with every visual token real the is_causal
         # kernel runs (None); padded video frames before the text need a mask.
         mask = padding_attention_mask(key_mask, right_padded=visual_mask is None)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         n_text = input_ids.shape[1]
-        return self.head(h[:, seq - n_text :], labels, **loss)
+        return self.head(h, slice(seq - n_text, seq), labels, **loss)

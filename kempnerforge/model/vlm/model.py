@@ -42,6 +42,7 @@ class VisionLanguageModel(nn.Module):
     (pretrained encoder weights are loaded from disk there, never lost to meta construction). With ``init_from`` (a
     Hugging Face folder of the text model, whose ``config.json`` gave ``text``) the backbone's text weights are read
     from it there too, each rank only its shard (:meth:`~kempnerforge.model.vlm.base.VLMBackbone.load_init_from_`).
+    With FP8 training the encoder and connector stay in high precision unless ``float8_vision``.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class VisionLanguageModel(nn.Module):
         encoder: VisionEncoderConfig,
         connector: ConnectorConfig,
         init_from: str | None = None,
+        float8_vision: bool = False,
     ) -> None:
         super().__init__()
         self.config = text
@@ -58,6 +60,9 @@ class VisionLanguageModel(nn.Module):
         self.connector = Connector(connector, self.encoder.width, text.dim, self.encoder.grid)
         self.backbone: VLMBackbone = build_backbone(text, vlm)
         self.backbone.init_from = init_from
+        #: Top-level modules FP8 training leaves in high precision (:func:`~kempnerforge.parallel.float8.apply_float8`):
+        #: the vision tower and connector, unless ``float8_vision``.
+        self.float8_skip_roots: tuple[str, ...] = () if float8_vision else ("encoder", "connector")
 
     @property
     def n_visual(self) -> int:

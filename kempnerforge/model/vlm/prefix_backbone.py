@@ -101,7 +101,7 @@ class PrefixBackbone(VLMBackbone):
         rope = pack_rope(self.rope_cos[:seq], self.rope_sin[:seq])  # int32 bits: no bf16 cast at the blocks
         for layer in self.layers.values():
             h = layer(h, rope, key_mask, dispatch, attn_mask)
-        return self.head(h[:, n_vis:], labels, **loss)
+        return self.head(h, slice(n_vis, None), labels, **loss)
 
     def _check_inputs(self, input_ids, visual, text_mask, visual_mask) -> None:
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
