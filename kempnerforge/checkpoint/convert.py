@@ -75,7 +75,9 @@ def dcp_to_hf(
     tokenizer: str | Path | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Export a kempnerforge checkpoint as a ``transformers`` directory (one process, no process group).
+    """Export a kempnerforge checkpoint as a ``transformers`` directory (one process, no process group): a text
+    model as its family's ``*ForCausalLM``, a joint_decoder VLM as ``LlavaForConditionalGeneration`` with its
+    processor (:mod:`~kempnerforge.checkpoint.hf_llava`).
 
     The directory is written beside ``output_dir`` first and swapped in when complete, so an existing folder is
     either left as it was or replaced whole (never a mix of old and new tokenizer / chat-template files).
@@ -102,30 +104,100 @@ def dcp_to_hf(
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory")
     torch_dtype = dtype_from_name(dtype)
-    loaded = load_checkpoint_model(ckpt)
-    family = hf_family(loaded.config)
-    hf_config = family.to_hf_config(loaded.config)
-    hf_config.dtype = torch_dtype
-    for key, value in (loaded.meta.get(HF_TOKEN_IDS_KEY) or {}).items():  # an imported model's bos/eos/pad ids
-        setattr(hf_config, key, value)
-    hf_sd = family.to_hf_state_dict(loaded.model.state_dict(), loaded.config)
-    keep = getattr(family, "KEEP_FP32", ())  # tensors the HF class holds in fp32 whatever the dtype (routers)
-    hf_sd = {
-        k: v.detach().to(torch.float32 if k.endswith(keep) else torch_dtype).contiguous() for k, v in hf_sd.items()
-    }
-    hf_model = _hf_model_with(hf_config, hf_sd, loaded.config.tie_embeddings)
+    from kempnerforge.checkpoint.load import is_vlm_checkpoint
+
+    if is_vlm_checkpoint(ckpt):
+        hf_model, write_extras = _llava_model(ckpt, torch_dtype, tokenizer)
+    else:
+        hf_model, write_extras = _text_model(ckpt, torch_dtype, tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         hf_model.save_pretrained(staging, max_shard_size=max_shard_size)
-        tok = tokenizer if tokenizer is not None else loaded.tokenizer
-        if tok is not None:
-            copy_tokenizer_files(tok, staging)
+        write_extras(staging)
         _swap_in(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _cast(hf_sd: dict[str, torch.Tensor], dtype: torch.dtype, keep: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """``hf_sd`` in ``dtype``, contiguous; keys ending in ``keep`` (a family's ``KEEP_FP32``: routers) in fp32."""
+    return {k: v.detach().to(torch.float32 if k.endswith(keep) else dtype).contiguous() for k, v in hf_sd.items()}
+
+
+def _text_model(ckpt: str | Path, dtype: torch.dtype, tokenizer: str | Path | None):
+    """The ``*ForCausalLM`` of a text checkpoint (built on meta, holding its weights) and what writes its tokenizer."""
+    loaded = load_checkpoint_model(ckpt)
+    family = hf_family(loaded.config)
+    hf_config = family.to_hf_config(loaded.config)
+    hf_config.dtype = dtype
+    for key, value in (loaded.meta.get(HF_TOKEN_IDS_KEY) or {}).items():  # an imported model's bos/eos/pad ids
+        setattr(hf_config, key, value)
+    hf_sd = _cast(
+        family.to_hf_state_dict(loaded.model.state_dict(), loaded.config), dtype, getattr(family, "KEEP_FP32", ())
+    )
+    hf_model = _hf_model_with(hf_config, hf_sd, loaded.config.tie_embeddings)
+    tok = tokenizer if tokenizer is not None else loaded.tokenizer
+
+    def write_extras(folder: Path) -> None:
+        if tok is not None:
+            copy_tokenizer_files(tok, folder)
+
+    return hf_model, write_extras
+
+
+def _llava_model(ckpt: str | Path, dtype: torch.dtype, tokenizer: str | Path | None):
+    """The ``LlavaForConditionalGeneration`` of a joint_decoder VLM checkpoint (:mod:`~kempnerforge.checkpoint.hf_llava`)
+    and what writes its processor (image processor, tokenizer with ``<image>``, chat template).
+
+    Raises:
+        ValueError: the VLM has no LLaVA equivalent (:func:`~kempnerforge.checkpoint.hf_llava.check_llava_exportable`),
+            or no tokenizer is recorded or given.
+    """
+    from transformers import LlavaForConditionalGeneration
+
+    from kempnerforge.checkpoint.hf_llava import (
+        check_llava_exportable,
+        llava_config,
+        llava_processor,
+        llava_state_dict,
+        llava_tokenizer,
+    )
+    from kempnerforge.checkpoint.load import load_vlm_checkpoint
+    from kempnerforge.config.vision import ConnectorConfig, VisionEncoderConfig
+    from kempnerforge.config.vlm import VLMConfig
+
+    loaded = load_vlm_checkpoint(ckpt)
+    hp = loaded.meta["hyper_parameters"]
+    encoder = VisionEncoderConfig(**hp["encoder"])
+    check_llava_exportable(VLMConfig(**hp["vlm"]), encoder, ConnectorConfig(**hp["connector"]))
+    tok_dir = tokenizer if tokenizer is not None else loaded.tokenizer
+    if tok_dir is None:
+        raise ValueError("a vision-language export needs its tokenizer (LLaVA's adds <image>); give --tokenizer")
+    tok, image_id = llava_tokenizer(tok_dir)
+    family = hf_family(loaded.config)
+    rows = max(loaded.config.vocab_size, image_id + 1)
+    text_config = family.to_hf_config(loaded.config)
+    text_config.vocab_size = rows
+    sd = loaded.model.state_dict()
+    backbone = {k.removeprefix("backbone."): v for k, v in sd.items() if k.startswith("backbone.")}
+    hf_sd = _cast(llava_state_dict(family.to_hf_state_dict(backbone, loaded.config), sd, rows), dtype)
+    config = llava_config(text_config, encoder, loaded.model.n_visual, image_id, loaded.config.tie_embeddings)
+    config.dtype = dtype
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
+    result = model.load_state_dict(hf_sd, strict=False, assign=True)
+    tied = loaded.config.tie_embeddings
+    if result.unexpected_keys or sorted(result.missing_keys) != (["lm_head.weight"] if tied else []):
+        raise RuntimeError(
+            f"HF LLaVA state dict mismatch: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
+        )
+    if tied:
+        model.tie_weights()
+    processor = llava_processor(tok, encoder, config)
+    return model, processor.save_pretrained
 
 
 def refuse_export_target(out: Path, overwrite: bool) -> None:
@@ -203,7 +275,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
 
 
 def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ckpt") -> Path:
-    """Import a local ``transformers`` directory as a weights-only kempnerforge DCP checkpoint.
+    """Import a local ``transformers`` directory as a weights-only kempnerforge DCP checkpoint (a LLaVA folder as a
+    joint_decoder VLM, its vision tower also saved as ``output_dir/vision_tower``).
 
     Weights are read in fp32 (exact from fp32, bf16 or fp16 files). The result is
     ``output_dir/<name>`` with ``COMPLETE`` and ``latest`` (the layout of
@@ -225,6 +298,8 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
 
     _refuse_checkpoint_folder(output_dir)
     hf_config = _read_hf_config(hf_dir)
+    if hf_config.model_type == "llava":
+        return _llava_to_dcp(hf_dir, hf_config, output_dir, name)
     family = family_for_hf_config(hf_config).module
     cfg = family.from_hf_config(hf_config)
     _refuse_larger_tokenizer(hf_dir, cfg.vocab_size)
@@ -265,6 +340,43 @@ def hf_to_dcp(hf_dir: str | Path, output_dir: str | Path, name: str = "step=0.ck
     tokenizer = str(Path(hf_dir).resolve()) if _has_tokenizer_files(hf_dir) else None
     return write_weights_checkpoint(
         model, cfg, output_dir, name, source=str(hf_dir), token_ids=token_ids, tokenizer=tokenizer
+    )
+
+
+def _llava_to_dcp(hf_dir: str | Path, hf_config, output_dir: str | Path, name: str) -> Path:
+    """:func:`hf_to_dcp` of a ``LlavaForConditionalGeneration`` folder: a joint_decoder VLM checkpoint
+    (:mod:`~kempnerforge.checkpoint.hf_llava`); the vision tower is also saved, with its image processor, as
+    ``output_dir/vision_tower`` (the encoder's ``pretrained_path``: its exact architecture)."""
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    from kempnerforge.checkpoint.hf_llava import split_llava_state_dict, vlm_configs_from_llava
+    from kempnerforge.model.vlm.model import VisionLanguageModel
+
+    family = family_for_hf_config(hf_config.text_config).module
+    cfg = family.from_hf_config(hf_config.text_config)
+    tower_dir = Path(output_dir) / "vision_tower"
+    vlm, encoder, connector = vlm_configs_from_llava(hf_config, tower_dir)
+    with quiet_transformers():
+        hf_model, info = LlavaForConditionalGeneration.from_pretrained(
+            hf_dir, local_files_only=True, dtype=torch.float32, output_loading_info=True
+        )
+    bad = {k: sorted(info.get(k) or ())[:4] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(bad.values()):
+        raise ValueError(f"{hf_dir}: its weights do not match its config.json ({bad}); nothing is dropped or invented")
+    text, tower, projector = split_llava_state_dict(hf_model.state_dict())
+    hf_model.model.vision_tower.save_pretrained(tower_dir)
+    if (Path(hf_dir) / "preprocessor_config.json").is_file() or (Path(hf_dir) / "processor_config.json").is_file():
+        AutoImageProcessor.from_pretrained(hf_dir, local_files_only=True).save_pretrained(tower_dir)
+    model = VisionLanguageModel(cfg, vlm, encoder, connector)
+    model.init_weights()  # RoPE tables, and the tower from the folder just written
+    model.backbone.load_state_dict(family.from_hf_state_dict(text, cfg), strict=True)
+    model.encoder.model.load_state_dict(tower, strict=True)
+    model.connector.load_state_dict(projector, strict=True)
+    model.tie_weights()
+    hparams = {"vlm": asdict(vlm), "encoder": asdict(encoder), "connector": asdict(connector)}
+    tokenizer = str(Path(hf_dir).resolve()) if _has_tokenizer_files(hf_dir) else None
+    return write_weights_checkpoint(
+        model, cfg, output_dir, name, source=str(hf_dir), tokenizer=tokenizer, hparams=hparams
     )
 
 
@@ -347,10 +459,12 @@ def write_weights_checkpoint(
     source: str,
     token_ids: dict | None = None,
     tokenizer: str | None = None,
+    hparams: dict | None = None,
 ) -> Path:
     """Write ``model``'s weights as a kempnerforge checkpoint (keys as ``CausalLM`` saves them) plus ``model.yaml``;
     ``token_ids`` (an HF config's ``bos/eos/pad_token_id``) are kept for :func:`dcp_to_hf`, and ``tokenizer`` (a
-    local tokenizer folder) is recorded for ``kforge generate`` / ``eval`` / ``dcp-to-hf``."""
+    local tokenizer folder) is recorded for ``kforge generate`` / ``eval`` / ``dcp-to-hf``; ``hparams`` adds
+    hyperparameters (a VLM's ``vlm`` / ``encoder`` / ``connector``, as ``VisionLanguage`` saves them)."""
     import lightning
 
     holder = nn.Module()  # CausalLM keeps its decoder under ``model``: same FQNs as a training save
@@ -359,7 +473,7 @@ def write_weights_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = {
         "state_dict": get_model_state_dict(holder),
-        "hyper_parameters": {"config": asdict(cfg)},
+        "hyper_parameters": {"config": asdict(cfg), **(hparams or {})},
         "lr_schedulers": [],  # fresh schedule: Lightning restores none
         "pytorch-lightning_version": lightning.__version__,  # Lightning's resume reads it (no migration)
         WEIGHTS_ONLY_KEY: True,
@@ -370,11 +484,15 @@ def write_weights_checkpoint(
     if tokenizer is not None:
         checkpoint[TOKENIZER_KEY] = tokenizer
     DCPCheckpointIO().save_checkpoint(checkpoint, out / name)
-    (out / "model.yaml").write_text(_model_yaml(cfg))
+    (out / "model.yaml").write_text(_model_yaml(cfg, hparams))
     return out / name
 
 
-def _model_yaml(cfg: ModelConfig) -> str:
+def _model_yaml(cfg: ModelConfig, hparams: dict | None = None) -> str:
+    """The ``--config`` to train the import with: ``model.config`` (a text model), or a VLM's ``model.init_args``."""
     import yaml  # PyYAML ships with jsonargparse[signatures] / lightning
 
+    if hparams:
+        model = {"class_path": "kempnerforge.module.VisionLanguage", "init_args": {"config": asdict(cfg), **hparams}}
+        return yaml.safe_dump({"model": model}, sort_keys=False)
     return yaml.safe_dump({"model": {"config": asdict(cfg)}}, sort_keys=False)
