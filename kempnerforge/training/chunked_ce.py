@@ -36,24 +36,28 @@ def default_chunk_size(vocab: int, tokens: int, dim: int) -> int:
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
-    """Forward computes the loss and both gradients; backward scales them (once: they are scaled in place)."""
+    """Forward computes the loss and the gradients asked for (of ``hidden``, of ``weight``: a frozen head or frozen
+    hidden states get none, so no (vocab, dim) buffer and no GEMM for them); backward scales them (once: in place)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size: int, z_weight: float, need_grad: bool):
+    def forward(ctx, hidden, weight, labels, chunk_size: int, z_weight: float, grad_hidden: bool, grad_weight: bool):
         # Autocast would round some of the matmuls below and not others (out= and in-place ops are not cast):
         # the dtypes are the inputs' (a mixed-precision policy's bf16 weight), the math after the logits fp32.
         with torch.autocast(hidden.device.type, enabled=False):
-            return _LinearCrossEntropySum._forward(ctx, hidden, weight, labels, chunk_size, z_weight, need_grad)
+            return _LinearCrossEntropySum._forward(
+                ctx, hidden, weight, labels, chunk_size, z_weight, grad_hidden, grad_weight
+            )
 
     @staticmethod
-    def _forward(ctx, hidden, weight, labels, chunk_size: int, z_weight: float, need_grad: bool):
+    def _forward(ctx, hidden, weight, labels, chunk_size: int, z_weight: float, grad_hidden: bool, grad_weight: bool):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         valid = labels != IGNORE_INDEX
         safe_y = torch.where(valid, labels, 0)
         lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         target = torch.empty_like(lse)
         block = torch.empty(min(chunk_size, n_tokens), vocab, dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_grad else None
+        need_grad = grad_hidden or grad_weight
+        grad_h = torch.empty_like(hidden) if grad_hidden else None
         grad_w = None
         low_precision = hidden.dtype != torch.float32
         for start in range(0, n_tokens, chunk_size):
@@ -79,7 +83,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 scale = scale * (1.0 + 2.0 * z_weight * lse[start:stop])
             probs.mul_(scale[:, None]).scatter_add_(1, y[:, None], -okf[:, None])
             g = probs.to(hidden.dtype) if low_precision else probs
-            torch.mm(g, weight, out=grad_h[start:stop])
+            if grad_hidden:
+                torch.mm(g, weight, out=grad_h[start:stop])
+            if not grad_weight:
+                continue
             # The head weight's gradient accumulates in fp32 over chunks (one GEMM per chunk).
             part = g.t() @ h if low_precision else None
             if grad_w is None:
@@ -92,9 +99,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         loss = ((lse - target) * okf).sum()
         z_sum = (lse.square() * okf).sum() if z_weight else torch.zeros((), device=hidden.device)
         if need_grad:
-            if grad_w is None:  # no tokens at all
+            if grad_weight and grad_w is None:  # no tokens at all
                 grad_w = torch.zeros_like(weight, dtype=torch.float32)
-            ctx.save_for_backward(grad_h, grad_w if weight.dtype == torch.float32 else grad_w.to(weight.dtype))
+            if grad_w is not None and weight.dtype != torch.float32:
+                grad_w = grad_w.to(weight.dtype)
+            ctx.save_for_backward(grad_h, grad_w)
         ctx.used = False
         ctx.mark_non_differentiable(z_sum)
         return loss + z_weight * z_sum, z_sum
@@ -110,7 +119,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         ctx.used = True
         grad_h, grad_w = ctx.saved_tensors
         # In place: these buffers exist only for this backward; a copy would be fresh (vocab, dim) pages.
-        return grad_h.mul_(grad_out.to(grad_h.dtype)), grad_w.mul_(grad_out.to(grad_w.dtype)), None, None, None, None
+        grads = [None if g is None else g.mul_(grad_out.to(g.dtype)) for g in (grad_h, grad_w)]
+        return *grads, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy_sum(
@@ -134,7 +144,8 @@ def chunked_linear_cross_entropy_sum(
             arXiv:2204.02311 sec. 5); 0 turns it off.
 
     Under ``torch.no_grad`` / ``inference_mode`` (validation) only the loss is computed: no gradient
-    buffers. The gradients are computed in the forward and scaled in place by the one backward it allows.
+    buffers; an input that does not require grad (a frozen head, frozen hidden states) gets neither its GEMM nor
+    its buffer. The gradients are computed in the forward and scaled in place by the one backward it allows.
 
     Returns:
         ``(loss_sum, z_sum)``: loss_sum is the fp32 scalar ``CE sum + w * z_sum`` (nats), differentiable
@@ -157,5 +168,9 @@ def chunked_linear_cross_entropy_sum(
         )
     # Decided here, not in forward (which always runs with grad disabled, and sees requires_grad=True on a
     # parameter even under no_grad / inference_mode): validation computes no gradients.
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropySum.apply(hidden2d, weight, labels1d, chunk_size, float(z_loss_weight), need_grad)
+    # Each input's own flag: a frozen head (LLaVA's stage 1, a FreezeSchedule on output.*) gets no gradient.
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropySum.apply(
+        hidden2d, weight, labels1d, chunk_size, float(z_loss_weight), grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+    )  # fmt: skip
