@@ -50,11 +50,18 @@ def model_config_from_folder(path: str | Path) -> ModelConfig:
 
     Raises:
         PathError, UserError: see :func:`read_hf_config`; an architecture the converters do not support, or a
-            feature they cannot represent (the converter's message, under ``model.init_from``).
+            feature they cannot represent (the converter's message, under ``model.init_from``); a LLaVA folder
+            (``kforge convert hf-to-dcp`` imports it).
     """
     from kempnerforge.checkpoint.hf_families import family_for_hf_config
 
     hf_config = read_hf_config(path)
+    if getattr(hf_config, "model_type", None) == "llava":  # a whole VLM, not a language model
+        raise UserError(
+            FIELD,
+            f"{path} is a LLaVA folder (a whole vision-language model); init_from takes the language model's "
+            "folder: import this one with kforge convert hf-to-dcp and train with --ckpt_path",
+        )
     try:
         return family_for_hf_config(hf_config).module.from_hf_config(hf_config)
     except ValueError as err:

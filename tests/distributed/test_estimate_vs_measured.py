@@ -1,6 +1,7 @@
 """Issue 16, check 1: ``kforge estimate``'s peak bytes per rank against a real gloo run of the same recipe.
 
-For each topology (dense FSDP2, TP=2 with sequence parallel, EP=2 MoE, pp=2 1F1B, cp=2; 2 processes each), one launch
+For each topology (dense FSDP2, TP=2 with sequence parallel, EP=2 MoE, pp=2 1F1B; 2 processes each; cp = 1, 2 and 4 at
+4096 tokens: tests/distributed/test_cp_memory.py, which shares this recipe), one launch
 of ``estimate_measure_script.py`` trains the recipe with Lightning's real loop on gloo and measures the peak of
 tracked tensor bytes over one steady-state step with torch's ``MemTracker`` on real tensors; the estimate
 simulates the same recipe in this process (fake process group, fake tensors, FSDP2 memory tracker, the
@@ -28,7 +29,6 @@ TOPOLOGIES = {
     "tp2": {"strategy": {"tp": 2, "sequence_parallel": True}},
     "ep2_moe": {"strategy": {"ep": 2}, "model": MOE},
     "pp2": {"strategy": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 2}},
-    "cp2": {"strategy": {"cp": 2}},  # issue 26: half of each sequence per rank, K/V all-gathered per block
 }
 
 

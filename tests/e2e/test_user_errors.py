@@ -210,6 +210,7 @@ CASES = {
     "vlm_sequence_parallel": (
         "vlm_jd",
         [
+            "--model.init_args.vlm.arch=mot",  # joint_decoder takes sequence parallelism; the other archs refuse it
             "--trainer.devices=2",
             "--trainer.strategy.init_args.tp=2",
             "--trainer.strategy.init_args.sequence_parallel=true",

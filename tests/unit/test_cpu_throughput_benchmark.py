@@ -18,7 +18,7 @@ TINY = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "2",
         "--batch-size", "2", "--only", "a,b", "--peak-n", "64"]  # fmt: skip
 
 
-@pytest.mark.parametrize("counts", [["--steps", "4", "--warmup", "1"], ["--steps", "8"]], ids=["4+1", "8+3"])
+@pytest.mark.parametrize("counts", [["--steps", "4", "--warmup", "1"]], ids=["4+1"])  # one launch: ~25 s each
 def test_tiny_run_writes_its_json_with_equal_losses(tmp_path, counts):
     out = tmp_path / "ct.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

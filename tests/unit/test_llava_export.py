@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from PIL import Image
@@ -51,6 +52,8 @@ def exported(request, tmp_path_factory):
     trainer = Trainer(accelerator="cpu", devices=1, strategy=KempnerStrategy(), max_steps=1, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt])  # fmt: skip
     trainer.fit(module, datamodule=data)
+    if dist.is_initialized():  # set up before the per-test clean-up fixture (tests/unit/conftest.py) can see it
+        dist.destroy_process_group()
     out = dcp_to_hf(root / "ckpt", root / "hf")
     return load_vlm_checkpoint(root / "ckpt"), out
 
@@ -134,3 +137,13 @@ def test_hf_to_kforge_to_hf_rewrites_every_tensor_bit_exactly(exported, tmp_path
     imported = load_vlm_checkpoint(tmp_path / "imported")
     assert imported.model.n_visual == loaded.model.n_visual
     assert imported.config.vocab_size == 50258  # the image token's row comes along
+
+
+def test_a_llava_folder_as_init_from_is_refused_naming_the_import(exported):
+    from kempnerforge.errors import UserError
+    from kempnerforge.module import VisionLanguage
+
+    _, folder = exported
+    with pytest.raises(UserError, match="is a LLaVA folder .* kforge convert hf-to-dcp") as err:
+        VisionLanguage(init_from=str(folder))
+    assert err.value.field == "model.init_from"
