@@ -46,7 +46,9 @@ def test_a_rerun_of_a_finished_run_says_so_and_its_advice_extends_it(finished, s
 
 def test_eval_equals_validate_over_the_whole_split(finished, shakespeare_tokens):
     ckpt = finished / "ckpt" / "step=000002.ckpt"
-    args = ["validate", *_common(finished, shakespeare_tokens)[:-3], "--trainer.logger=false", f"--ckpt_path={ckpt}"]
+    # Without a logger Lightning writes config.yaml to default_root_dir (the working directory: the repository).
+    args = ["validate", *_common(finished, shakespeare_tokens)[:-3], "--trainer.logger=false", f"--ckpt_path={ckpt}",
+            f"--trainer.default_root_dir={finished}"]  # fmt: skip
     losses = {}
     for limit in ("8", "1.0"):
         proc = kforge_in_process(*args, f"--trainer.limit_val_batches={limit}")
