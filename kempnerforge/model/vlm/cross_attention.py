@@ -193,7 +193,8 @@ class CrossAttentionDecoder(VLMBackbone):
         labels: torch.Tensor | None = None,
         **loss: Any,
     ) -> Any:
-        """Text logits (batch, n_text, vocab_size), or with ``labels`` the fused loss (:meth:`VLMBackbone.head`); raises ValueError when n_text > max_seq_len."""
+        """Text logits (batch, n_text, vocab_size), or with ``labels`` the fused loss (:meth:`VLMBackbone.head`);
+        raises ValueError when n_text > max_seq_len."""
         seq = input_ids.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"text length {seq} exceeds ModelConfig.max_seq_len={self.rope_cos.shape[0]}")

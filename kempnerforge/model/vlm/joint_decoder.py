@@ -124,7 +124,8 @@ class JointDecoder(VLMBackbone):
         labels: torch.Tensor | None = None,
         **loss: Any,
     ) -> Any:
-        """Text logits (batch, n_text, vocab_size), or with ``labels`` the fused loss (:meth:`VLMBackbone.head`); raises ValueError when n_visual + n_text > max_seq_len."""
+        """Text logits (batch, n_text, vocab_size), or with ``labels`` the fused loss (:meth:`VLMBackbone.head`);
+        raises ValueError when n_visual + n_text > max_seq_len."""
         h, key_mask, _ = prefix_sequence(visual, self.tok_embeddings(input_ids), visual_mask, text_mask)
         seq = h.shape[1]
         if seq > self.rope_cos.shape[0]:
