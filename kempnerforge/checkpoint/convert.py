@@ -186,16 +186,7 @@ def _llava_model(ckpt: str | Path, dtype: torch.dtype, tokenizer: str | Path | N
     hf_sd = _cast(llava_state_dict(family.to_hf_state_dict(backbone, loaded.config), sd, rows), dtype)
     config = llava_config(text_config, encoder, loaded.model.n_visual, image_id, loaded.config.tie_embeddings)
     config.dtype = dtype
-    with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config)
-    result = model.load_state_dict(hf_sd, strict=False, assign=True)
-    tied = loaded.config.tie_embeddings
-    if result.unexpected_keys or sorted(result.missing_keys) != (["lm_head.weight"] if tied else []):
-        raise RuntimeError(
-            f"HF LLaVA state dict mismatch: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
-        )
-    if tied:
-        model.tie_weights()
+    model = _hf_model_with(config, hf_sd, loaded.config.tie_embeddings, LlavaForConditionalGeneration)
     processor = llava_processor(tok, encoder, config)
     return model, processor.save_pretrained
 
@@ -225,12 +216,13 @@ def _swap_in(staging: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _hf_model_with(hf_config, hf_sd: dict[str, torch.Tensor], tied: bool) -> nn.Module:
-    """The HF model for ``hf_config`` holding exactly ``hf_sd`` (built on meta: no random init, no copy)."""
+def _hf_model_with(hf_config, hf_sd: dict[str, torch.Tensor], tied: bool, model_cls=None) -> nn.Module:
+    """The HF model for ``hf_config`` (``model_cls``, default ``AutoModelForCausalLM``) holding exactly ``hf_sd``
+    (built on meta: no random init, no copy)."""
     from transformers import AutoModelForCausalLM  # local import: transformers is slow to import
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = model_cls(hf_config) if model_cls is not None else AutoModelForCausalLM.from_config(hf_config)
     result = model.load_state_dict(hf_sd, strict=False, assign=True)
     expected_missing = ["lm_head.weight"] if tied else []
     if result.unexpected_keys or sorted(result.missing_keys) != expected_missing:
@@ -367,8 +359,7 @@ def _llava_to_dcp(hf_dir: str | Path, hf_config, output_dir: str | Path, name: s
     hf_model.model.vision_tower.save_pretrained(tower_dir)
     if (Path(hf_dir) / "preprocessor_config.json").is_file() or (Path(hf_dir) / "processor_config.json").is_file():
         AutoImageProcessor.from_pretrained(hf_dir, local_files_only=True).save_pretrained(tower_dir)
-    model = VisionLanguageModel(cfg, vlm, encoder, connector)
-    model.init_weights()  # RoPE tables, and the tower from the folder just written
+    model = VisionLanguageModel(cfg, vlm, encoder, connector)  # eager: RoPE tables built; every weight loaded below
     model.backbone.load_state_dict(family.from_hf_state_dict(text, cfg), strict=True)
     model.encoder.model.load_state_dict(tower, strict=True)
     model.connector.load_state_dict(projector, strict=True)

@@ -28,6 +28,11 @@ ARCHS: dict[str, type[VLMBackbone]] = {}
 NEW_KEY_PARTS: tuple[str, ...] = (".cross_",)
 
 
+def is_new_key(fqn: str) -> bool:
+    """Whether ``fqn`` names a weight the VLM adds to the text model (:data:`NEW_KEY_PARTS`)."""
+    return any(part in fqn for part in NEW_KEY_PARTS)
+
+
 class VLMBackbone(nn.Module, abc.ABC):
     """Base class of the text backbones that take visual tokens.
 
@@ -48,6 +53,9 @@ class VLMBackbone(nn.Module, abc.ABC):
     #: A Hugging Face ``save_pretrained`` folder of the text model (``model.init_from``): :meth:`init_weights` reads
     #: each parameter's shard from it (:meth:`load_init_from_`); None: random init.
     init_from: str | None = None
+    #: Tensor-parallel ranks the sequence is split over with sequence parallelism (1: off; joint_decoder only), set
+    #: by the module before the transform chain (:meth:`kempnerforge.module.VisionLanguage.configure_model`).
+    sequence_parallel_degree: int = 1
 
     def __init__(self, text: ModelConfig, vlm: VLMConfig) -> None:
         super().__init__()
@@ -57,7 +65,7 @@ class VLMBackbone(nn.Module, abc.ABC):
     def text_key(self, fqn: str) -> str | None:
         """The dense :class:`~kempnerforge.model.Transformer` parameter (canonical FQN) that parameter ``fqn`` starts
         from in a warm start, or None to keep its init (the weights the VLM adds: :data:`NEW_KEY_PARTS`)."""
-        return None if any(part in fqn for part in NEW_KEY_PARTS) else fqn
+        return None if is_new_key(fqn) else fqn
 
     def text_copies(self, fqn: str) -> int:
         """How many copies of :meth:`text_key`'s tensor parameter ``fqn`` stacks along a new dim 0 (MoMa's expert
@@ -97,9 +105,10 @@ class VLMBackbone(nn.Module, abc.ABC):
         (batch, seq, dim): logits (batch, n_text, vocab_size), or with ``labels`` (batch, n_text) the head fused
         with the loss, ``(loss_sum, z_sum)`` (fp32 scalars, nats; ``loss``: ``loss_impl``, ``loss_chunk_size``,
         ``z_loss_weight`` of :func:`~kempnerforge.training.loss_impl.fused_head_loss`), so no logits-sized tensor
-        exists. The norm runs on the whole sequence (under sequence parallelism its input is gathered there first;
-        under FSDP2 it gathers the ``[norm, output]`` unit, whose head weight the fused loss then reads)."""
-        normed = self.norm(h)[:, text]
+        exists. Under sequence parallelism ``h`` is this rank's shard, which the norm's input style gathers, so the
+        text positions are taken after the norm; otherwise before it. Under FSDP2 the norm gathers the
+        ``[norm, output]`` unit, whose head weight the fused loss then reads."""
+        normed = self.norm(h)[:, text] if self.sequence_parallel_degree > 1 else self.norm(h[:, text])
         if labels is None:
             return self.output(normed)
         from kempnerforge.training.loss_impl import fused_head_loss

@@ -24,11 +24,7 @@ from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import model_rope_tables, pack_rope
 from kempnerforge.model.tp_plan import TPPlan, VocabParallelEmbedding, dense_decoder_tp_plan
 from kempnerforge.model.transformer import Transformer, TransformerBlock
-from kempnerforge.model.vlm.base import NEW_KEY_PARTS, VLMBackbone, prefix_sequence, register_arch
-
-
-def _is_new_key(key: str) -> bool:
-    return any(part in key for part in NEW_KEY_PARTS)
+from kempnerforge.model.vlm.base import VLMBackbone, is_new_key, prefix_sequence, register_arch
 
 
 def load_matching_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -42,7 +38,7 @@ def load_matching_state(module: nn.Module, state: dict[str, torch.Tensor]) -> No
     unknown = sorted(set(state) - set(own))
     if unknown:
         raise KeyError(f"text state dict has keys this backbone does not have: {unknown}")
-    missing = sorted(k for k in own if k not in state and not _is_new_key(k))
+    missing = sorted(k for k in own if k not in state and not is_new_key(k))
     if missing:
         raise KeyError(f"text state dict is missing keys: {missing}")
     module.load_state_dict(state, strict=False)
@@ -71,10 +67,6 @@ class JointDecoder(VLMBackbone):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tie_weights()
-
-    #: Tensor-parallel ranks the joint sequence is split over with sequence parallelism (1: off); set by the module
-    #: before the transform chain (:meth:`kempnerforge.module.VisionLanguage.configure_model`).
-    sequence_parallel_degree: int = 1
 
     def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> TPPlan:
         """The dense decoder's plan (:func:`~kempnerforge.model.tp_plan.dense_decoder_tp_plan`); with

@@ -136,6 +136,5 @@ class MoMaBackbone(PrefixBackbone):
 
     def from_text(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         """Expert weights: the dense (out, in) matrix repeated over the group's experts."""
-        if ".experts." not in fqn:
-            return full
-        return full[None].expand(self.vlm_config.moma_experts_per_modality, *full.shape)
+        copies = self.text_copies(fqn)
+        return full[None].expand(copies, *full.shape) if copies else full
