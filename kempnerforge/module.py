@@ -313,6 +313,11 @@ class CausalLM(LightningModule):
         batches' ``doc_ids`` mask attention per document; a context-parallel share's ``cp`` entry goes along."""
         return self.model(batch["input_ids"], doc_ids=batch.get("doc_ids"), **self._cp_kwargs(batch))
 
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], slice | None]:
+        """Under ``pp > 1``: the first stage's inputs for ``batch`` (``(input_ids,)``, (batch, seq) int64) and the
+        positions the last stage's head reads (None: every position; a VLM's text positions)."""
+        return (batch["input_ids"],), None
+
     def _record_step(
         self,
         batch: dict[str, torch.Tensor],
@@ -713,6 +718,24 @@ class VisionLanguage(CausalLM):
     def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         args, kwargs = self._media_inputs(batch)
         return self.model(*args, **kwargs)
+
+    @override
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], slice | None]:
+        """Under ``pp > 1`` (joint_decoder): ``(input_ids, pixel_values)`` for the first stage and the text positions
+        ``slice(n_visual, n_visual + n_text)`` of the joint sequence for the last stage's head (shapes only: no sync).
+
+        Raises:
+            ValueError: a batch without pixels, or with padded visual tokens (a ``visual_mask``, or a ``frame_mask``
+                whose host count of real frames is not every frame): the stages pass no per-sequence mask.
+        """
+        (ids, pixels, _, visual_mask, frame_mask), kwargs = self._media_inputs(batch)
+        real = kwargs["real_frames"]
+        if pixels is None or visual_mask is not None or (frame_mask is not None and real != frame_mask.numel()):
+            raise ValueError(
+                "pp > 1 takes batches whose every visual token is real (images, or clips with no padded frame): "
+                "the pipeline's stage boundary carries the hidden states only, no per-sequence mask."
+            )
+        return (ids, pixels), slice(self._visual_positions, self._visual_positions + ids.shape[1])
 
     def _fused_loss(
         self, batch: dict[str, torch.Tensor], z_loss_weight: float, loss_impl: str

@@ -484,7 +484,8 @@ class KempnerStrategy(ModelParallelStrategy):
         )
         # FSDP2 last: embedding, blocks, [norm, head] (tied: one unit with the embedding), root. With pp > 1
         # every stage is a root and keeps its parameters gathered: each micro-batch reuses them.
-        units = self.pipeline.make_stages(model) if self.pipeline is not None else [model]
+        sp_degree = self.parallel_mesh.dims.tp if self.sequence_parallel else 1
+        units = self.pipeline.make_stages(model, sp_degree) if self.pipeline is not None else [model]
         for unit in units:
             apply_fsdp(
                 unit,
@@ -788,8 +789,6 @@ class KempnerStrategy(ModelParallelStrategy):
         ``val/ppl`` on every rank."""
         if self.pipeline is None:
             return super().validation_step(*args, **kwargs)
-        batch = self.lightning_module._cp_batch(args[0])  # context parallelism: this cp rank's share
-        self.pipeline.set_cp(batch.get("cp"))
-        loss_sum, n_targets = self.pipeline.eval_step(batch["input_ids"], batch["labels"])
+        loss_sum, n_targets = self.pipeline.eval_step(self.lightning_module, args[0])  # this cp rank's share
         update_validation_metrics(self.lightning_module, loss_sum, n_targets)
         return None

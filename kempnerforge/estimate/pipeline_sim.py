@@ -106,10 +106,10 @@ class SimulatedSchedule:
         return torch.empty(self.hidden_shape, dtype=self.hidden_dtype, device=self.device, requires_grad=True)
 
     def step(self, *args: torch.Tensor, target: torch.Tensor | None = None, return_outputs: bool = False) -> None:
-        """Run this rank's actions for one step over ``runner.microbatches`` micro-batches of ``args[0]``
-        (first stage) and ``target`` (last stage), split along the batch as the real schedule splits them."""
+        """Run this rank's actions for one step over ``runner.microbatches`` micro-batches of ``args`` (the first
+        stage's inputs) and ``target`` (last stage), split along the batch as the real schedule splits them."""
         n = self.runner.microbatches
-        inputs = torch.tensor_split(args[0], n) if args else None
+        inputs = list(zip(*(torch.tensor_split(a, n) for a in args), strict=True)) if args else None
         targets = torch.tensor_split(target, n) if target is not None else None
         self._fwd: dict[tuple[int, int], tuple[Any, list[torch.Tensor], Any]] = {}
         self._param_groups: dict[tuple[int, int], Any] = {}
@@ -143,13 +143,13 @@ class SimulatedSchedule:
 
     def _forward(self, stage: PipelineStage, s: int, i: int, inputs, targets) -> None:
         if stage.is_first:
-            x = inputs[i]
+            x = inputs[i]  # every input of the first stage (token ids; a VLM's pixels too)
         elif (s - 1) in self.stages:  # previous stage on this rank (V schedules): its output, detached
-            x = self._handoff.pop(("act", s, i))
+            x = (self._handoff.pop(("act", s, i)),)
         else:
-            x = self._received()
-            self._count(x.numel() * x.element_size())
-        out = self._callers[s](x)
+            x = (self._received(),)
+            self._count(x[0].numel() * x[0].element_size())
+        out = self._callers[s](*x)
         stage_output = out  # the real stage caches its output (the logits, on the last stage) until backward
         if stage.is_last:
             out = self.runner._loss_fn(out, targets[i])
@@ -157,7 +157,7 @@ class SimulatedSchedule:
             self._handoff[("act", s + 1, i)] = out.detach().requires_grad_(True)
         else:
             self._count(out.numel() * out.element_size())
-        self._fwd[(s, i)] = (out, [x], stage_output)
+        self._fwd[(s, i)] = (out, list(x), stage_output)
 
     def _backward(self, stage: PipelineStage, s: int, i: int, kind: str) -> None:
         out, inputs, _ = self._fwd.pop((s, i))

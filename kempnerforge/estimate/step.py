@@ -83,6 +83,16 @@ def _hidden_dtype(build: RankBuild) -> torch.dtype:
     return build.strategy.param_dtype
 
 
+def _stage_positions(module: Any, strategy: Any, batch: dict[str, Any]) -> int:
+    """Positions of the hidden states one pipeline stage passes on: the sequence (a VLM's ``[visual; text]``, padded
+    to a multiple of the sequence-parallel degree), this rank's share of it under sequence or context parallelism."""
+    _, text = module.pipeline_inputs(batch)
+    seq = batch["input_ids"].shape[1] if text is None else text.stop
+    dims = strategy.parallel_mesh.dims
+    sp = dims.tp if strategy.sequence_parallel else 1
+    return -(-seq // sp) * sp // sp // dims.cp
+
+
 def run_step(build: RankBuild, progress: Callable[[str], None] = lambda message: None) -> StepResult:
     """Run one training step of ``build`` (materialized, optimizer warm) under the memory tracker and counters.
 
@@ -97,9 +107,8 @@ def run_step(build: RankBuild, progress: Callable[[str], None] = lambda message:
     counter = StepCounter(axis_of_group(strategy.parallel_mesh))
     pipeline = strategy.pipeline
     if pipeline is not None:
-        mb, seq = batch["input_ids"].shape
-        seq //= strategy.parallel_mesh.dims.cp  # with cp, a stage passes on this rank's share of each sequence
-        hidden = (mb // pipeline.microbatches, seq, module.config.dim)
+        hidden = (batch["input_ids"].shape[0] // pipeline.microbatches, _stage_positions(module, strategy, batch))
+        hidden += (module.config.dim,)
         pipeline.schedule = SimulatedSchedule(pipeline, device, hidden, _hidden_dtype(build), counter)
     tracker = make_tracker(build.roots, model, optimizer)
     track_inputs(tracker, batch)

@@ -99,7 +99,7 @@ def validate_pipeline_model(
     n_layers: int,
     num_experts: int,
     tie_embeddings: bool,
-    is_vlm: bool,
+    vlm_arch: str | None = None,
     ep: int = 1,
     schedule: str = "1f1b",
     tp: int = 1,
@@ -117,7 +117,7 @@ def validate_pipeline_model(
             V-shaped schedule (``zbv`` puts the first and last stage on one rank as two FSDP2 roots,
             which cannot share one parameter), tied embeddings with ``tp > 1`` (the tensor-parallel copy of
             the tied weight on the last stage desynchronizes the stages' collectives: a gloo size mismatch),
-            or a vision-language model (see :data:`VLM_REFUSAL`).
+            or a vision-language arch other than ``joint_decoder`` (``vlm_arch``; see :data:`VLM_REFUSAL`).
     """
     if pp == 1:
         return
@@ -147,16 +147,24 @@ def validate_pipeline_model(
             "of the tied weight does not line up with the first stage's collectives yet; use tp=1 (dp_shard "
             "works) or set model.config.tie_embeddings=false."
         )
-    if is_vlm:
-        raise MeshConfigError(f"pp={pp}: {VLM_REFUSAL}")
+    if vlm_arch is not None and vlm_arch not in PIPELINED_VLM_ARCHS:
+        raise MeshConfigError(f"pp={pp} with vlm.arch={vlm_arch!r}: {VLM_REFUSAL}")
 
 
-#: Why vision-language models do not pipeline (the message of :func:`validate_pipeline_model`).
+#: Vision-language archs that pipeline (:class:`~kempnerforge.parallel.pipeline_stage.JointDecoderStage`).
+PIPELINED_VLM_ARCHS: frozenset[str] = frozenset({"joint_decoder"})
+
+#: Why the other vision-language archs do not pipeline (the message of :func:`validate_pipeline_model`).
 VLM_REFUSAL = (
-    "vision-language models are not supported with pp > 1; use pp=1 (with dp_shard / tp). joint_decoder "
-    "(vlm_jd) and mot / moma pass per-sequence masks and modality routing next to the hidden states, which "
-    "the pipeline's single-tensor stage boundary does not carry; cross_attention needs the image features "
-    "at every stage's cross-attention layers."
+    "not supported with pp > 1 (allowed: joint_decoder); use pp=1 (with dp_shard / tp). mot / moma route "
+    "every position by modality inside each block, which the pipeline's single-tensor stage boundary does not "
+    "carry; cross_attention needs the image features at every stage's cross-attention layers."
+)
+
+#: Why video clips with padded frames do not pipeline (:func:`validate_pipeline_run`).
+VIDEO_REFUSAL = (
+    "video clips are padded to the longest in the batch, and their padded frames need a per-sequence mask "
+    "at every stage, which the pipeline's single-tensor stage boundary does not carry; use pp=1 for video"
 )
 
 
@@ -169,6 +177,16 @@ def is_vision_language(module: object) -> bool:
     if not isinstance(getattr(module, "config", None), ModelConfig):
         return True
     return any(isinstance(v, VLMConfig) for v in vars(module).values())
+
+
+def _vlm_arch(module: object) -> str | None:
+    """``vlm.arch`` of a vision-language LightningModule, ``"unknown"`` for another non-decoder model, else None."""
+    if not is_vision_language(module):
+        return None
+    from kempnerforge.config.vlm import VLMConfig
+
+    found = [v for v in vars(module).values() if isinstance(v, VLMConfig)]
+    return found[0].arch if found else "unknown"
 
 
 def validate_pipeline_run(
@@ -195,8 +213,9 @@ def validate_pipeline_run(
     """
     if pp == 1:
         return
-    if is_vision_language(module):
-        raise MeshConfigError(f"pp={pp}: {VLM_REFUSAL}")
+    vlm_arch = _vlm_arch(module)
+    if vlm_arch is not None and getattr(datamodule, "max_frames", None) is not None:
+        raise MeshConfigError(f"pp={pp} with {type(datamodule).__name__}: {VIDEO_REFUSAL}.")
     cfg = module.config
     validate_pipeline_model(
         pp,
@@ -205,7 +224,7 @@ def validate_pipeline_run(
         n_layers=cfg.n_layers,
         num_experts=cfg.num_experts,
         tie_embeddings=cfg.tie_embeddings,
-        is_vlm=is_vision_language(module),
+        vlm_arch=vlm_arch,
         ep=ep,
         schedule=schedule,
         tp=tp,

@@ -30,7 +30,7 @@ from kempnerforge.parallel.pipeline import (
     stage_layer_ranges,
 )
 from kempnerforge.parallel.pipeline_aux import StageAuxLosses
-from kempnerforge.parallel.pipeline_stage import DecoderStage
+from kempnerforge.parallel.pipeline_stage import DecoderStage, JointDecoderStage
 from kempnerforge.parallel.pipeline_tied import reduce_tied_grads
 from kempnerforge.training.loss import IGNORE_INDEX, token_cross_entropy_sum
 
@@ -89,9 +89,10 @@ class PipelineRunner:
 
     def tied_weight(self, model: nn.Module) -> torch.Tensor | None:
         """This rank's copy of a tied embedding weight (first or last stage), else None."""
-        if self.tied_group is None or model.tok_embeddings is None:
+        decoder = decoder_of(model)
+        if self.tied_group is None or decoder.tok_embeddings is None:
             return None
-        return model.tok_embeddings.weight
+        return decoder.tok_embeddings.weight
 
     def norm_skip(self, model: nn.Module) -> list[torch.Tensor]:
         """Parameters the gradient norm must not count on this rank: the last stage's copy of a tied
@@ -108,23 +109,30 @@ class PipelineRunner:
         self._tied_pending = False
 
     def prune(self, model: nn.Module) -> None:
-        """Drop every module of ``model`` (meta) that this rank's stages do not hold.
+        """Drop every module of ``model`` (meta) that this rank's stages do not hold: a joint_decoder VLM's
+        encoder and connector go with stage 0, its backbone is pruned as the decoder.
 
         Raises:
-            MeshConfigError: ``model`` is not the dense :class:`~kempnerforge.model.Transformer`.
+            MeshConfigError: ``model`` is neither the decoder (:class:`~kempnerforge.model.Transformer`, dense or
+                MoE) nor a VLM whose backbone is a :class:`~kempnerforge.model.vlm.joint_decoder.JointDecoder`.
         """
-        if type(model) is not Transformer:
+        if type(model) is not Transformer and not _is_joint_decoder_vlm(model):
             raise MeshConfigError(
-                f"pp={self.pp} supports the dense decoder (kempnerforge.model.Transformer) only, "
-                f"not {type(model).__name__}; use pp=1."
+                f"pp={self.pp} supports the decoder (kempnerforge.model.Transformer) and joint_decoder "
+                f"vision-language models only, not {type(model).__name__}; use pp=1."
             )
-        prune_to_stages(model, self.ranges, self.ids)
+        prune_to_stages(decoder_of(model), self.ranges, self.ids)
+        if decoder_of(model) is not model and not self.has_first:
+            model.encoder = None
+            model.connector = None
 
-    def make_stages(self, model: nn.Module) -> list[DecoderStage]:
-        """One :class:`DecoderStage` per local stage over the (transformed) pruned model: the FSDP2 units."""
-        self.stage_modules = [
-            DecoderStage(model, self.ranges[s], first=s == 0, last=s == self.n_stages - 1) for s in self.ids
-        ]
+    def make_stages(self, model: nn.Module, sp_degree: int = 1) -> list[DecoderStage]:
+        """One :class:`DecoderStage` (:class:`JointDecoderStage` for a VLM) per local stage over the (transformed)
+        pruned model: the FSDP2 units. ``sp_degree``: tp under sequence parallelism, else 1."""
+        cls = JointDecoderStage if decoder_of(model) is not model else DecoderStage
+        self.stage_modules = [cls(model, self.ranges[s], first=s == 0, last=s == self.n_stages - 1) for s in self.ids]
+        for stage in self.stage_modules:
+            stage.sp_degree = sp_degree
         for stage in self.stage_modules:
             for layer in stage.moe_layers().values():
                 # Activation checkpointing: every micro-batch's forward (and the shape inference's) may run
@@ -150,8 +158,9 @@ class PipelineRunner:
                     new = torch.empty_like(t, device=device)
                     # setattr on a registered name replaces it in place (a buffer keeps its persistence).
                     setattr(module, name, nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new)
-        if model.tok_embeddings is not None and model.output is not None:
-            model.tie_weights()  # materialization unties a shared parameter (a no-op when untied)
+        decoder = decoder_of(model)
+        if decoder.tok_embeddings is not None and decoder.output is not None:
+            decoder.tie_weights()  # materialization unties a shared parameter (a no-op when untied)
         with torch.no_grad():
             model.init_weights(seed=seed)
 
@@ -182,12 +191,18 @@ class PipelineRunner:
         return both if extra is None else (both[0], both[1])
 
     def train_step(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, loss_scale: torch.Tensor | float, with_aux: bool = False
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        labels: torch.Tensor,
+        loss_scale: torch.Tensor | float,
+        with_aux: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of every micro-batch through the schedule.
 
         Args:
-            input_ids: ``(batch, seq)`` int64, identical on every pp rank of a data shard.
+            inputs: the first stage's inputs (:meth:`prepare`), each split along dim 0 into the micro-batches:
+                ``(input_ids,)`` ``(batch, seq)`` int64 for the decoder, ``(input_ids, pixel_values)`` for a VLM;
+                identical on every pp rank of a data shard.
             labels: ``(batch, seq)`` int64 (``-100`` ignored).
             loss_scale: factor on each micro-batch's summed token loss before its backward: ``dp_size /
                 N_global`` (a device scalar) without gradient accumulation, else ``dp_size /
@@ -202,12 +217,12 @@ class PipelineRunner:
             on every pp rank; with ``with_aux`` the pair ``(loss_sum, aux_sum)``.
         """
         self._scale = loss_scale
-        self._run(self.schedule.step, input_ids, labels)
+        self._run(self.schedule.step, inputs, labels)
         self._shape_inference = False
-        aux = torch.zeros((), device=input_ids.device)
+        aux = torch.zeros((), device=labels.device)
         if self._aux is not None and self._aux.active:
             aux = self._aux.finish(len(self.stage_modules)).to(aux.device)
-        loss_sum, aux = self._reduced_sum(input_ids.device, aux)
+        loss_sum, aux = self._reduced_sum(labels.device, aux)
         return (loss_sum, aux) if with_aux else loss_sum
 
     def training_step(self, module: Any, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -226,14 +241,12 @@ class PipelineRunner:
         if batch_idx % accumulate == 0:  # a new optimizer step
             for p in params:
                 p.grad = None
-        full, batch = batch, module._cp_batch(batch)  # context parallelism: this cp rank's share of each sequence
-        self.set_cp(batch.get("cp"))
-        labels = batch["labels"]
+        full, (batch, inputs, labels) = batch, self.prepare(module, batch)
         n_targets = (labels != IGNORE_INDEX).sum()
         scale = _loss_scale(module, n_targets, accumulate)
         if module.config.num_experts > 0:
             self._start_moe(module, labels, scale, new_step=batch_idx % accumulate == 0)
-        loss_sum, aux = self.train_step(batch["input_ids"], labels, scale, with_aux=True)
+        loss_sum, aux = self.train_step(inputs, labels, scale, with_aux=True)
         self._tied_pending = self.tied_group is not None
         self._grads = [p.grad for p in params]
         for p in params:
@@ -242,6 +255,20 @@ class PipelineRunner:
             module.log("train/moe_aux_loss", aux / self.microbatches, rank_zero_only=True)
         # The stages' MoE aux losses already ran in the schedule's backward (pipeline_aux).
         return module._record_step(full, batch_idx, loss_sum, n_targets, moe_aux_in_backward=True)
+
+    def prepare(
+        self, module: Any, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], tuple[torch.Tensor, ...], torch.Tensor]:
+        """``(batch, inputs, labels)`` for one schedule run: the batch as this rank sees it (its context-parallel
+        share of each sequence), the first stage's inputs and the labels (``module.pipeline_inputs``); gives every
+        local stage the cp share and, for a VLM, the text positions of the joint sequence."""
+        batch = module._cp_batch(batch)
+        self.set_cp(batch.get("cp"))
+        inputs, text = module.pipeline_inputs(batch)
+        for stage in self.stage_modules:
+            if isinstance(stage, JointDecoderStage):
+                stage.text = text
+        return batch, inputs, batch["labels"]
 
     def set_cp(self, shard: ContextShard | None) -> None:
         """Give every local stage this rank's context-parallel share (None: cp = 1) for the next schedule run."""
@@ -265,17 +292,19 @@ class PipelineRunner:
             p.grad = grad
         self._grads = []
 
-    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward only; returns ``(loss_sum, n_targets)`` of the batch (fp32 / int64 scalars, every pp rank)."""
+    def eval_step(self, module: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only of ``batch`` (:meth:`prepare`); returns ``(loss_sum, n_targets)`` of this rank's share (fp32 /
+        int64 scalars, every pp rank)."""
+        _, inputs, labels = self.prepare(module, batch)
         with torch.no_grad():
-            self._run(self.schedule.eval, input_ids, labels)
+            self._run(self.schedule.eval, inputs, labels)
         self._shape_inference = True  # the next training step re-runs the schedule's metadata inference
-        return self._reduced_sum(input_ids.device), (labels != IGNORE_INDEX).sum()
+        return self._reduced_sum(labels.device), (labels != IGNORE_INDEX).sum()
 
-    def _run(self, fn, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+    def _run(self, fn, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor) -> None:
         self._sums = []
         target = labels if self.has_last else None
-        args = (input_ids,) if self.has_first else ()
+        args = inputs if self.has_first else ()
         kwargs = {"return_outputs": False} if fn == self.schedule.step else {}
         fn(*args, target=target, **kwargs)
 
@@ -303,3 +332,16 @@ def update_validation_metrics(module: object, loss_sum: torch.Tensor, n_targets:
     ``validation_step`` (which needs the logits, here only on the last stage).
     """
     module.record_validation(loss_sum, n_targets)
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The module holding ``tok_embeddings``, ``layers``, ``norm``, ``output`` and the RoPE buffers: the decoder
+    itself, or a vision-language model's ``backbone``."""
+    backbone = getattr(model, "backbone", None)
+    return backbone if isinstance(backbone, nn.Module) else model
+
+
+def _is_joint_decoder_vlm(model: nn.Module) -> bool:
+    from kempnerforge.model.vlm.joint_decoder import JointDecoder
+
+    return isinstance(getattr(model, "backbone", None), JointDecoder)

@@ -96,6 +96,19 @@ def _has_moe(block: nn.Module) -> bool:
     return any(is_moe_layer(m) for m in block.modules())
 
 
+def _pruned(model: nn.Module, fqn: str) -> bool:
+    """``fqn`` names a module pipeline pruning removed: a None on its path (``backbone.tok_embeddings``) or a block
+    of ``model.layers`` this stage does not hold (``backbone.layers.0``)."""
+    node: nn.Module | None = model
+    for part in fqn.split("."):
+        if isinstance(node, nn.ModuleDict) and node is model.layers and part not in node:
+            return True
+        node = getattr(node, part, node) if node is not None else None
+        if node is None:
+            return True
+    return False
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -146,7 +159,7 @@ def apply_tp(
     # A pipeline stage's model holds None where another stage owns the module (embedding, norm, head;
     # kempnerforge.parallel.pipeline.prune_to_stages): those root entries are skipped, not "unmatched"
     # (a name the model lacks altogether gets the non-None default and is reported below).
-    plan.root = {k: v for k, v in plan.root.items() if getattr(model, k.split(".")[0], model) is not None}
+    plan.root = {k: v for k, v in plan.root.items() if not _pruned(model, k)}
     blocks = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
     if not plan.root and not plan.block:
         raise ValueError(f"{type(model).__name__}.tp_plan() is empty: tensor parallelism would do nothing.")

@@ -80,12 +80,14 @@ def test_pp2_checkpoint_resumes_at_pp1(single):
 
 def test_pp2_x_dp_shard2_and_pp2_x_tp2_match_single_process(shakespeare_tokens, root, single):
     """Check 2: 4 processes, pp=2 x dp_shard=2 (FSDP2 per stage), 1F1B and interleaved, plus a resume;
-    and pp=2 x tp=2 (TP per stage, logits gathered on the last stage) with validation."""
+    and pp=2 x tp=2 (TP per stage, logits gathered on the last stage) with validation, and with sequence
+    parallelism (each stage's hidden states are this rank's share of the sequence)."""
     runs = [
         "dp_1f1b:pp=2,micro_batch=4,mb=2,ckpt_every=3",
         "dp_resume:pp=2,micro_batch=4,mb=2,resume=dp_1f1b/step=0003.ckpt",
         "dp_interleaved:pp=2,schedule=interleaved_1f1b,v=2,micro_batch=4,mb=2",
         "tp:pp=2,tp=2,mb=4,val_batches=2",
+        "tp_sp:pp=2,tp=2,sp=1,mb=4",  # sequence parallelism: RoPE spans the whole sequence at every stage
     ]
     records = _launch(4, shakespeare_tokens, root, runs)
     _assert_close(records["dp_1f1b"], single["single"])
@@ -93,6 +95,7 @@ def test_pp2_x_dp_shard2_and_pp2_x_tp2_match_single_process(shakespeare_tokens, 
     assert records["dp_resume"]["losses"] == records["dp_1f1b"]["losses"][3:]
     _assert_close(records["tp"], single["single"])
     assert records["tp"]["val_loss"] == pytest.approx(single["single"]["val_loss"], rel=1e-5)
+    _assert_close(records["tp_sp"], single["single"])
 
 
 def test_pp2_checkpoint_consolidates_to_a_full_hf_model(pp2, root, tmp_path):

@@ -43,8 +43,8 @@ def test_fsdp2_parity_and_resume_with_freeze_schedule(arch, tmp_path):
     assert resumed["trainable"] == two["trainable"][2:]
 
 
-def test_joint_decoder_sequence_parallel_tp2_equals_one_process(tmp_path):
-    """Issue 32 check 3: joint_decoder with tp=2 and sequence parallelism (the joint [visual; text] sequence split
+def test_joint_decoder_sequence_parallel_tp2_and_pp2_equal_one_process(tmp_path):
+    """Issue 32 check 3: joint_decoder with tp=2 and sequence parallelism, then pp=2 x tp=2 x SP, (the joint [visual; text] sequence split
     over the TP ranks, padded to even when the batch's length is odd; vocab-parallel loss) trains as one process
     with the fused chunked loss (loss_impl=auto at tp=1), 6 steps within 1e-5."""
     # 16 visual + 23 text positions: 39, odd, so the last position is padding on the second TP rank.
@@ -54,6 +54,21 @@ def test_joint_decoder_sequence_parallel_tp2_equals_one_process(tmp_path):
     assert len(one["losses"]) == 6 and one["losses"][-1] < one["losses"][0]
     assert sp["sp_degree"] == 2 and one["sp_degree"] == 1
     assert sp["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    # Issue 32 check 3, pp=2: the same run split into two pipeline stages (encoder, connector, embedding and block 0;
+    # block 1, norm and head), with tp=2 and sequence parallelism inside each stage (4 processes).
+    pp_sp = _run(4, tmp_path / "pp_sp.json", *args, "--pp", "2", "--tp", "2", "--sequence-parallel")
+    assert pp_sp["sp_degree"] == 2
+    assert pp_sp["losses"] == pytest.approx(one["losses"], abs=1e-5)
+
+
+def test_joint_decoder_pp2_with_a_tied_head_equals_one_process(tmp_path):
+    """Issue 32 check 3: joint_decoder with pp=2 (1F1B, 2 micro-batches) and a tied head (the last stage's copy of the
+    embedding reduced with the first stage's) trains as one process, 6 steps within 1e-5."""
+    args = ["--arch", "joint_decoder", "--micro-batch", "4", "--tie"]
+    one = _run(1, tmp_path / "one.json", *args)
+    pp = _run(2, tmp_path / "pp.json", *args, "--pp", "2")
+    assert len(one["losses"]) == 6 and one["losses"][-1] < one["losses"][0]
+    assert pp["losses"] == pytest.approx(one["losses"], abs=1e-5)
 
 
 def test_joint_decoder_fp8_tensorwise_tp1_and_tp2(tmp_path):

@@ -52,6 +52,8 @@ def main() -> None:
     p.add_argument("--schedule", action="store_true", help="start with the backbone frozen, unfreeze at step 3")
     p.add_argument("--ac", default="none")
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tie", action="store_true", help="tie the head to the embedding")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--loss-impl", default="auto")
     p.add_argument("--max-text-len", type=int, default=24)
@@ -69,7 +71,7 @@ def main() -> None:
         spec = FreezeSpec(encoder=True, backbone=True, trainable_patterns=new_parts)
         callbacks.append(FreezeSchedule(steps=[3], specs=[FreezeSpec(encoder=True)]))
     module = VisionLanguage(
-        config=tiny_text(vocab_size=50257, max_seq_len=48),
+        config=tiny_text(vocab_size=50257, max_seq_len=48, tie=args.tie),
         vlm=tiny_vlm(args.arch),
         encoder=tiny_encoder(),
         connector=tiny_connector("mlp2"),
@@ -95,6 +97,7 @@ def main() -> None:
         strategy=KempnerStrategy(
             dp_shard=-1,
             tp=args.tp,
+            pp=args.pp,
             activation_checkpointing=args.ac,
             sequence_parallel=args.sequence_parallel,
             float8_recipe=args.float8,

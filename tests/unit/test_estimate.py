@@ -245,6 +245,20 @@ def test_video_vlm_is_estimated_with_full_clips():
     assert est.verdict.fits and role.flops > 0 and not role.fallbacks
 
 
+def test_joint_decoder_vlm_with_pp_and_sequence_parallel_is_estimated():
+    """vlm_jd at 1 x 4 with pp=2 x tp=2 and sequence parallelism: the first stage holds the vision tower, the last
+    the head (untied: tp > 1 with a tied pipeline is refused); each stage passes this rank's half of the joint [16 visual; 48 text]
+    sequence, once forward and once backward, for the micro-batch of 4 (fp32 on the simulated devices, dim 64)."""
+    args = ["--config", str(REPO / "configs" / "vlm_jd.yaml"), "--trainer.strategy.init_args.pp=2",
+            "--trainer.strategy.init_args.tp=2", "--trainer.strategy.init_args.sequence_parallel=true",
+            "--model.config.tie_embeddings=false"]  # fmt: skip
+    est = estimate(args, 1, 4, alternatives=False)
+    first, last = est.roles
+    assert first.comm["send_recv[pp]"] == last.comm["send_recv[pp]"] == 2 * 4 * (16 + 48) // 2 * 64 * 4
+    assert first.params_bytes > last.params_bytes  # the vision tower is on the first stage
+    assert est.verdict.fits and all(not role.fallbacks for role in est.roles)
+
+
 def test_ep_with_hsdp_holds_half_of_every_weight_and_all_reduces_over_dp_replicate():
     """moe_debug at 1 x 4 with ep=2 x dp_replicate=2 (dp_shard=2, one expert-FSDP shard): dense weights are 1/2
     per rank (dp_shard=2), experts 1/2 too (ep=2, replicated over dp_replicate), so a rank holds half the fp32

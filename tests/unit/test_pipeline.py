@@ -91,12 +91,13 @@ def test_pipeline_option_rules(kwargs, message):
         ({"num_experts": 8, "ep": 2}, r"ep=2 with pp=2 is not supported: expert parallelism inside pipeline"),
         ({"tie_embeddings": True, "schedule": "zbv", "virtual_stages": 2}, r"'zbv' with tie_embeddings=true"),
         ({"tie_embeddings": True, "tp": 2}, r"tp=2 with pp=2 and tie_embeddings=true is not supported"),
-        ({"is_vlm": True}, r"pp=2: vision-language models are not supported with pp > 1; use pp=1"),
+        ({"vlm_arch": "mot"}, r"pp=2 with vlm.arch='mot': not supported with pp > 1 \(allowed: joint_decoder\)"),
+        ({"vlm_arch": "cross_attention"}, r"vlm.arch='cross_attention': not supported with pp > 1"),
     ],
 )
 def test_pipeline_model_rules(overrides, message):
     args = {"pp": 2, "virtual_stages": 1, "split_points": None, "n_layers": 4, "num_experts": 0}
-    args |= {"tie_embeddings": False, "is_vlm": False, **overrides}
+    args |= {"tie_embeddings": False, **overrides}
     pp, v, split = args.pop("pp"), args.pop("virtual_stages"), args.pop("split_points")
     with pytest.raises(MeshConfigError, match=message):
         validate_pipeline_model(pp, v, split, **args)
@@ -121,11 +122,17 @@ def test_every_schedule_name_is_a_torch_class():
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"num_experts": 8}, {"tie_embeddings": True}, {"tie_embeddings": True, "schedule": "interleaved_1f1b"}],
+    [
+        {"num_experts": 8},
+        {"tie_embeddings": True},
+        {"tie_embeddings": True, "schedule": "interleaved_1f1b"},
+        {"vlm_arch": "joint_decoder", "tie_embeddings": True},
+    ],
 )
 def test_pipeline_accepts_moe_and_tied_embeddings(overrides):
-    """MoE (ep=1) and tied embeddings pipeline (proven against one process in test_pipeline_moe_tied.py)."""
-    args = {"n_layers": 4, "num_experts": 0, "tie_embeddings": False, "is_vlm": False, **overrides}
+    """MoE (ep=1), tied embeddings and joint_decoder VLMs pipeline (proven against one process in
+    test_pipeline_moe_tied.py and test_vlm_parity.py)."""
+    args = {"n_layers": 4, "num_experts": 0, "tie_embeddings": False, **overrides}
     virtual = 2 if "schedule" in overrides else 1
     assert validate_pipeline_model(2, virtual, None, **args) is None
     # the neighbour that is still refused: EP inside stages for MoE, the V schedule for tied embeddings
@@ -244,3 +251,48 @@ def test_chat_packing_under_pp_is_refused_as_data_packing(tmp_path):
     strat._lightning_module = CausalLM(config=TINY)
     with pytest.raises(MeshConfigError, match=r"^data.packing=True is not supported with pp=2"):
         strat.check_layout(2, strat._lightning_module, ChatDataModule(str(tmp_path), seq_len=8, micro_batch_size=4))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_joint_decoder_vlm_stages_compose_to_the_full_forward(tie):
+    """A joint_decoder VLM split at its first block: stage 0 (encoder, connector, embedding, block 0) then stage 1
+    (block 1, norm, head on the text positions) give the unsplit model's logits; stage 1 holds no vision part,
+    and the two pruned copies' keys are the full model's, disjoint except a tied head's embedding."""
+    from kempnerforge.model.vlm.model import VisionLanguageModel
+    from kempnerforge.parallel.pipeline_runner import PipelineRunner
+    from kempnerforge.parallel.pipeline_stage import JointDecoderStage
+    from tests.vlm_tiny import tiny_connector, tiny_encoder, tiny_text, tiny_vlm
+
+    def build():
+        model = VisionLanguageModel(tiny_text(tie=tie), tiny_vlm("joint_decoder"), tiny_encoder(), tiny_connector())
+        model.init_weights(seed=5)
+        return model
+
+    class Mesh:  # the runner reads only the pp degree and this rank's pp index
+        def __init__(self, rank):
+            self.rank = rank
+
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return self.rank
+
+    full, stages = build(), []
+    for rank in (0, 1):
+        runner = PipelineRunner(Mesh(rank), 2, "1f1b", None, 1, None)
+        part = build()
+        runner.prune(part)
+        (stage,) = runner.make_stages(part)
+        stage.text = slice(full.n_visual, full.n_visual + 7)
+        stages.append((part, stage))
+    (first, s0), (last, s1) = stages
+    assert last.encoder is None and last.connector is None and s1.fsdp_units() == []
+    assert isinstance(s0, JointDecoderStage) and s0.fsdp_units()[-1] is first.connector
+    keys0, keys1 = set(first.state_dict()), set(last.state_dict())
+    assert keys0 | keys1 == set(full.state_dict())
+    assert keys0 & keys1 == ({"backbone.tok_embeddings.weight"} if tie else set())
+    ids, pixels = torch.randint(0, 128, (2, 7)), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        logits = s1(s0(ids, pixels))
+        torch.testing.assert_close(logits, full(ids, pixels), rtol=0, atol=0)

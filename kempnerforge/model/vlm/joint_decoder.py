@@ -76,9 +76,9 @@ class JointDecoder(VLMBackbone):
         gathered (the head then reads the text positions only), and the head takes a replicated input."""
         plan = dense_decoder_tp_plan(self.config, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         if sequence_parallel:
-            first = next(iter(self.layers))
             plan.root["tok_embeddings"] = VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Replicate())
-            plan.root[f"layers.{first}"] = PrepareModuleInput(
+            # Block 0 only: on a later pipeline stage the first block already receives this rank's share.
+            plan.root["layers.0"] = PrepareModuleInput(
                 input_layouts=(Replicate(), None, None),
                 desired_input_layouts=(Shard(1), None, None),
                 use_local_output=True,
@@ -118,20 +118,8 @@ class JointDecoder(VLMBackbone):
     ) -> Any:
         """Text logits (batch, n_text, vocab_size), or with ``labels`` the fused loss (:meth:`VLMBackbone.head`);
         raises ValueError when n_visual + n_text > max_seq_len."""
-        h, key_mask, _ = prefix_sequence(visual, self.tok_embeddings(input_ids), visual_mask, text_mask)
-        seq = h.shape[1]
-        if seq > self.rope_cos.shape[0]:
-            raise ValueError(
-                f"joint sequence of {seq} positions (visual + text) exceeds ModelConfig.max_seq_len="
-                f"{self.rope_cos.shape[0]}"
-            )
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        pad = -seq % self.sequence_parallel_degree
-        if pad:  # sequence parallelism splits evenly: positions after the last token, never attended, dropped
-            h = F.pad(h, (0, 0, 0, pad))
-            cos, sin = (torch.cat([t, t[-1:].expand(pad, -1)]) for t in (cos, sin))
-            key_mask = None if key_mask is None else F.pad(key_mask, (0, pad), value=True)
-        rope = pack_rope(cos, sin)  # int32 bits: no bf16 cast at the blocks
+        h, key_mask, seq = self.joint_input(input_ids, visual, text_mask, visual_mask)
+        rope = self.joint_rope(h.shape[1])
         # One mask for every layer. Text is right-padded, so with every visual token real the is_causal
         # kernel runs (None); padded video frames before the text need a mask.
         mask = padding_attention_mask(key_mask, right_padded=visual_mask is None)
@@ -139,3 +127,40 @@ class JointDecoder(VLMBackbone):
             h = layer(h, rope, mask)
         n_text = input_ids.shape[1]
         return self.head(h, slice(seq - n_text, seq), labels, **loss)
+
+    def joint_input(
+        self,
+        input_ids: torch.Tensor,
+        visual: torch.Tensor | None,
+        text_mask: torch.Tensor | None = None,
+        visual_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The first block's input: ``(h, key_mask, seq)``, h (batch, seq + pad, dim) the embedded
+        ``[visual; text]`` sequence, right-padded to a multiple of :attr:`sequence_parallel_degree` (positions
+        after the last token, never attended by a real one, dropped at the head), key_mask (batch, seq + pad) bool
+        or None (see :func:`~kempnerforge.model.vlm.base.prefix_sequence`), seq the unpadded length.
+
+        Raises:
+            ValueError: ``seq`` exceeds ``ModelConfig.max_seq_len``.
+        """
+        h, key_mask, _ = prefix_sequence(visual, self.tok_embeddings(input_ids), visual_mask, text_mask)
+        seq = h.shape[1]
+        if seq > self.rope_cos.shape[0]:
+            raise ValueError(
+                f"joint sequence of {seq} positions (visual + text) exceeds ModelConfig.max_seq_len="
+                f"{self.rope_cos.shape[0]}"
+            )
+        pad = -seq % self.sequence_parallel_degree
+        if pad:  # sequence parallelism splits evenly
+            h = F.pad(h, (0, 0, 0, pad))
+            key_mask = None if key_mask is None else F.pad(key_mask, (0, pad), value=True)
+        return h, key_mask, seq
+
+    def joint_rope(self, positions: int) -> torch.Tensor:
+        """Packed RoPE angles (:func:`~kempnerforge.model.rope.pack_rope`, int32 bits: no bf16 cast at the blocks)
+        for ``positions`` positions; past ``max_seq_len`` (sequence-parallel padding) the last row repeats."""
+        cos, sin = self.rope_cos[:positions], self.rope_sin[:positions]
+        extra = positions - cos.shape[0]
+        if extra > 0:
+            cos, sin = (torch.cat([t, t[-1:].expand(extra, -1)]) for t in (cos, sin))
+        return pack_rope(cos, sin)

@@ -58,6 +58,7 @@ class VisionLanguageModel(nn.Module):
         self.config = text
         self.encoder = VisionEncoder(encoder)
         self.connector = Connector(connector, self.encoder.width, text.dim, self.encoder.grid)
+        self._n_visual = self.connector.n_tokens  # kept: a later pipeline stage holds no connector
         self.backbone: VLMBackbone = build_backbone(text, vlm)
         self.backbone.init_from = init_from
         #: Top-level modules FP8 training leaves in high precision (:func:`~kempnerforge.parallel.float8.apply_float8`):
@@ -67,7 +68,7 @@ class VisionLanguageModel(nn.Module):
     @property
     def n_visual(self) -> int:
         """Visual tokens per image after the connector."""
-        return self.connector.n_tokens
+        return self._n_visual
 
     @property
     def layers(self) -> nn.ModuleDict:
@@ -90,9 +91,10 @@ class VisionLanguageModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Encoder (pretrained from disk, or HF init from ``seed``), connector and backbone (the text model's folder
-        with ``init_from``, per-FQN seeds for the rest)."""
-        self.encoder.init_weights(seed, prefix="encoder")
-        self.connector.init_weights(seed, prefix="connector")
+        with ``init_from``, per-FQN seeds for the rest); a pipeline rank initializes only the parts it holds."""
+        if self.encoder is not None:  # None on a pipeline stage after the first (pruned)
+            self.encoder.init_weights(seed, prefix="encoder")
+            self.connector.init_weights(seed, prefix="connector")
         self.backbone.init_weights(seed)
 
     def visual_tokens(
