@@ -266,8 +266,16 @@ class KempnerStrategy(ModelParallelStrategy):
         if not isinstance(rendezvous_timeout_s, int | float) or not rendezvous_timeout_s > 0:
             raise ValueError(f"rendezvous_timeout_s={rendezvous_timeout_s!r} must be a number of seconds > 0.")
         self.rendezvous_timeout_s = float(rendezvous_timeout_s)
+        #: The device type the run's device-dependent settings resolve for (``auto`` precision), when it is not the
+        #: one the strategy runs on: ``kforge estimate`` simulates CUDA ranks on CPU and sets ``"cuda"``.
+        self.target_device_type: str | None = None
 
     # -- precision ------------------------------------------------------------------------------
+
+    @property
+    def precision_device_type(self) -> str:
+        """The device type ``auto`` precision resolves for: :attr:`target_device_type`, else the root device's."""
+        return self.target_device_type or self.root_device.type
 
     @property
     @override
@@ -298,11 +306,11 @@ class KempnerStrategy(ModelParallelStrategy):
         under ``bf16-true`` / ``16-true`` the parameters' own dtype)."""
         if self.true_half is not None:
             return self.true_half
-        return resolve_param_dtype(self.mixed_precision_param, self.root_device.type)
+        return resolve_param_dtype(self.mixed_precision_param, self.precision_device_type)
 
     def describe_precision(self) -> str:
         """The precision line logged with the mesh (compute, master weights, reduction, fp32 matmuls)."""
-        device = self.root_device.type
+        device = self.precision_device_type
         return describe_precision(
             self.param_dtype, self.reduce_dtype, self.float32_matmul_precision, device, self.true_half
         )

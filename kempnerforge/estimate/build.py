@@ -82,12 +82,44 @@ def open_rank(fit_args: list[str], num_nodes: int, devices: int, rank: int) -> R
         )
     strategy.cluster_environment = SimulatedEnvironment(num_nodes, devices, rank)
     strategy.cpu_keep_freed_memory = False  # a CPU-run knob; the simulated ranks are GPUs
+    strategy.target_device_type = "cuda"  # device-dependent settings as the GPUs resolve them (auto precision)
+    check_simulable(module)
     strategy._lightning_module = module
     module.trainer = trainer
     trainer._data_connector.attach_datamodule(module, datamodule)  # as Trainer.fit: the strategy's checks read it
     strategy.setup_environment()
     module.setup("fit")
-    return RankBuild(trainer, module, datamodule, strategy)
+    return RankBuild(trainer, module, datamodule, strategy, notes=substitutions(strategy, datamodule))
+
+
+def check_simulable(module: Any) -> None:
+    """Refuse, in one line, settings the fake-tensor step cannot run.
+
+    Raises:
+        ValueError: ``model.loss_impl=liger`` (Liger-Kernel's Triton kernels have no fake-tensor implementation).
+    """
+    if getattr(module, "loss_impl", None) == "liger":
+        raise ValueError(
+            "model.loss_impl: liger runs Triton kernels the fake-tensor simulation cannot run; estimate with "
+            "model.loss_impl=chunked, the fused head + loss it simulates (no (tokens, vocab) block either)"
+        )
+
+
+def substitutions(strategy: Any, datamodule: Any) -> list[str]:
+    """What the simulation resolves as the target GPUs would, or runs differently, one line each (the report's
+    notes): ``auto`` precision on CUDA; packed documents' attention mask."""
+    notes = []
+    if strategy.mixed_precision_param == "auto" and strategy.true_half is None:
+        notes.append(
+            "mixed_precision_param=auto resolved as on CUDA: "
+            f"{strategy.describe_precision().removeprefix('precision: ').split(', fp32 matmuls')[0]}."
+        )
+    if getattr(datamodule, "document_masking", False):
+        notes.append(
+            "packed documents: CUDA runs FlexAttention with a block mask; the simulated CPU ranks build the dense "
+            "(batch, 1, seq, seq) bool mask instead, which this estimate counts (batch * seq^2 bytes per micro-batch)."
+        )
+    return notes
 
 
 def _touch_meshes(strategy: Any) -> None:

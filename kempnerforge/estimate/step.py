@@ -104,8 +104,11 @@ def run_step(build: RankBuild, progress: Callable[[str], None] = lambda message:
     module, strategy, model, optimizer = build.module, build.strategy, build.model, build.optimizer
     device = strategy.root_device
     batch = synthetic_batch(module, build.datamodule, device)
-    counter = StepCounter(axis_of_group(strategy.parallel_mesh))
     pipeline = strategy.pipeline
+    axes = axis_of_group(strategy.parallel_mesh)
+    if pipeline is not None and pipeline.tied_group is not None:  # pp > 2: the first/last-stage pair of its own
+        axes.setdefault(pipeline.tied_group.group_name, "pp_tied")
+    counter = StepCounter(axes)
     if pipeline is not None:
         hidden = (batch["input_ids"].shape[0] // pipeline.microbatches, _stage_positions(module, strategy, batch))
         hidden += (module.config.dim,)
@@ -127,6 +130,7 @@ def run_step(build: RankBuild, progress: Callable[[str], None] = lambda message:
                 progress(f"pipeline schedule: {pipeline.microbatches} micro-batches, forward and backward")
                 loss = strategy.training_step(batch, 0)
                 pipeline.restore_grads(model)
+                pipeline.finish_step_gradients(model)  # a tied embedding: first + last stage's gradients summed
             else:
                 progress("forward and loss")
                 loss = module.training_step(batch, 0)

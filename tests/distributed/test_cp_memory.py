@@ -63,7 +63,9 @@ def measured(all_tokens, tmp_path_factory):
         config.write_text(yaml.safe_dump(long_recipe(str(shakespeare_tokens), str(root), nproc, cp)))
         launch(nproc, SCRIPT, ["--out", str(root), "--step", str(STEP), "--", "--config", str(config)], timeout=600)
         record = json.loads((root / "rank0.json").read_text())
-        est = estimate(["--config", str(config)], num_nodes=1, devices=nproc, alternatives=False)
+        # The measured CPU run resolves auto precision as fp32; the estimate would simulate the GPUs' bf16.
+        fp32 = "--trainer.strategy.init_args.mixed_precision_param=float32"
+        est = estimate(["--config", str(config), fp32], num_nodes=1, devices=nproc, alternatives=False)
         out[cp] = (record, est.roles[0])
         # Shown with -s (the README quotes these figures).
         print(f"cp={cp}: measured peak {record['peak_bytes'] / 1e6:.1f} MB, activations {_activations(record) / 1e6:.1f} "

@@ -79,7 +79,9 @@ def test_estimated_peak_within_15_percent_of_gloo_measurement(topology, shakespe
     config.write_text(yaml.safe_dump(recipe(str(shakespeare_tokens), topology, str(tmp_path))))
     launch(2, SCRIPT, ["--out", str(tmp_path), "--step", str(STEP), "--", "--config", str(config)], timeout=300)
     measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    est = estimate(["--config", str(config)], num_nodes=1, devices=2, alternatives=False)
+    # The measured CPU run resolves auto precision as fp32; the estimate would simulate the GPUs' bf16.
+    fp32 = "--trainer.strategy.init_args.mixed_precision_param=float32"
+    est = estimate(["--config", str(config), fp32], num_nodes=1, devices=2, alternatives=False)
     expected_roles = 2 if topology == "pp2" else 1
     assert len(est.roles) == expected_roles
     # Without pipelining the one role stands for both ranks; with pp=2 each rank is its own role.

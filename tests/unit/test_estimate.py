@@ -24,6 +24,8 @@ from tests.e2e.inprocess import kforge_in_process
 REPO = Path(__file__).resolve().parents[2]
 DEBUG = str(REPO / "configs" / "debug.yaml")
 SHORT = ["--data.seq_len=64", "--data.micro_batch_size=2"]
+#: The recipes' ``auto`` precision is simulated as on CUDA (bf16 compute); the fp32 formulas below pin float32.
+FP32 = "--trainer.strategy.init_args.mixed_precision_param=float32"
 
 
 def _last_line(text: str) -> str:
@@ -98,7 +100,7 @@ def test_cli_report_json_and_a_clean_process_afterwards(tmp_path):
 
 def test_does_not_fit_estimates_the_in_config_alternatives():
     # The full-logits loss path (the default, auto, already fuses the head + loss here: no such suggestion).
-    est = estimate(["--config", DEBUG, *SHORT, "--model.loss_impl=torch"], 1, 1, gpu_memory_gb=2.1)
+    est = estimate(["--config", DEBUG, *SHORT, FP32, "--model.loss_impl=torch"], 1, 1, gpu_memory_gb=2.1)
     v = est.verdict
     assert not v.fits and v.headroom_bytes < 0
     estimated = {s.knob: s for s in v.suggestions if s.how == "estimated"}
@@ -118,7 +120,7 @@ def test_flops_and_collectives_match_their_formulas():
     flash-attention backward (2 * n_layers * dim * seq per token), which the 6N + 12 L d s convention leaves out.
     FSDP2 at dp_shard=2 (fp32): parameters gathered for forward and again for backward except the last block, and
     every gradient reduce-scattered once."""
-    overrides = ["--model.config.tie_embeddings=false", *SHORT]
+    overrides = ["--model.config.tie_embeddings=false", *SHORT, FP32]
     est = estimate(["--config", DEBUG, *overrides, "--model.loss_impl=torch"], 1, 2, alternatives=False)
     (role,) = est.roles
     from kempnerforge.config import ModelConfig
@@ -234,7 +236,7 @@ def test_a_step_outside_the_fallback_is_named_not_crashed(monkeypatch):
                              "--data.document_masking=true", *SHORT)  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = _last_line(proc.stderr)
-    assert last.startswith("kforge: error: cannot simulate the step on fake tensors: Transformer.forward ("), last
+    assert last.startswith("kforge: error: cannot simulate the step on fake tensors: FSDPTransformer.forward ("), last
     assert "kempnerforge/model/transformer.py:" in last and "nonzero" in last
     assert not dist.is_initialized()
 
@@ -248,13 +250,13 @@ def test_video_vlm_is_estimated_with_full_clips():
 def test_joint_decoder_vlm_with_pp_and_sequence_parallel_is_estimated():
     """vlm_jd at 1 x 4 with pp=2 x tp=2 and sequence parallelism: the first stage holds the vision tower, the last
     the head (untied: tp > 1 with a tied pipeline is refused); each stage passes this rank's half of the joint [16 visual; 48 text]
-    sequence, once forward and once backward, for the micro-batch of 4 (fp32 on the simulated devices, dim 64)."""
+    sequence, once forward and once backward, for the micro-batch of 4 (bf16: auto precision as on CUDA; dim 64)."""
     args = ["--config", str(REPO / "configs" / "vlm_jd.yaml"), "--trainer.strategy.init_args.pp=2",
             "--trainer.strategy.init_args.tp=2", "--trainer.strategy.init_args.sequence_parallel=true",
             "--model.config.tie_embeddings=false"]  # fmt: skip
     est = estimate(args, 1, 4, alternatives=False)
     first, last = est.roles
-    assert first.comm["send_recv[pp]"] == last.comm["send_recv[pp]"] == 2 * 4 * (16 + 48) // 2 * 64 * 4
+    assert first.comm["send_recv[pp]"] == last.comm["send_recv[pp]"] == 2 * 4 * (16 + 48) // 2 * 64 * 2
     assert first.params_bytes > last.params_bytes  # the vision tower is on the first stage
     assert est.verdict.fits and all(not role.fallbacks for role in est.roles)
 
@@ -291,6 +293,58 @@ def test_cp_with_ep_and_with_pp_is_estimated_on_the_axes_it_runs_on():
     pp = ["--config", str(REPO / "configs" / "cp_debug.yaml"), *SHORT, "--trainer.strategy.init_args.pp=2"]
     est = estimate(pp, 1, 4, alternatives=False)
     first = est.roles[0]
-    dim = 128  # cp_debug's decoder; fp32 on the simulated CPU devices
-    assert first.comm["send_recv[pp]"] == 2 * 2 * (64 // 2) * dim * 4  # micro-batch 2, 32 of 64 tokens, fwd + bwd
+    dim = 128  # cp_debug's decoder; bf16 activations (auto precision as on CUDA)
+    assert first.comm["send_recv[pp]"] == 2 * 2 * (64 // 2) * dim * 2  # micro-batch 2, 32 of 64 tokens, fwd + bwd
     assert est.verdict.fits and all(not role.fallbacks for role in est.roles)
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_recipe_resolves_auto_precision_as_the_gpus_do(recipe):
+    """Issue 27 check 1: the estimate sets the strategy's target device to CUDA, so a recipe whose
+    ``mixed_precision_param`` is ``auto`` is simulated in bf16 compute (as ``kforge fit`` runs it on GPUs), and an
+    explicit ``float32`` stays fp32; the note names the substitution."""
+    from kempnerforge.estimate.build import parse, substitutions
+    from kempnerforge.estimate.run import simulation_args
+
+    path = REPO / "configs" / recipe
+    # Fine-tuning recipes name an HF folder this machine does not have; precision does not depend on it.
+    start = ["--model.init_from=null"] if "\n  init_from:" in path.read_text() else []
+    if recipe == "finetune_debug.yaml":  # its data's tokenizer is the folder's too
+        start.append(f"--data.tokenizer={REPO / 'data' / 'tokenizers' / 'gpt2'}")
+    trainer, _, datamodule = parse(simulation_args(["--config", str(path), *start], 1, 1))
+    strategy = trainer.strategy
+    strategy.target_device_type = "cuda"
+    auto = strategy.mixed_precision_param == "auto" and strategy.true_half is None
+    expected = torch.bfloat16 if auto or strategy.mixed_precision_param == "bfloat16" else torch.float32
+    assert strategy.param_dtype == (strategy.true_half or expected)
+    notes = substitutions(strategy, datamodule)
+    assert any(n.startswith("mixed_precision_param=auto resolved as on CUDA: bf16 compute") for n in notes) == auto
+
+
+def test_auto_precision_halves_moe_debugs_all_gather_and_liger_is_one_line():
+    """Issue 27 checks 1 and 3: moe_debug at 1 x 2 gathers bf16 parameters under ``auto`` (the GPU run), exactly
+    half the bytes of ``float32``; ``loss_impl=liger`` (Triton kernels) is refused in one line."""
+    args = ["--config", str(REPO / "configs" / "moe_debug.yaml")]
+    auto = estimate(args, 1, 2, alternatives=False)
+    fp32 = estimate([*args, "--trainer.strategy.init_args.mixed_precision_param=float32"], 1, 2, alternatives=False)
+    gathered = auto.roles[0].comm["all_gather[dp_shard]"]
+    assert gathered > 0 and gathered * 2 == fp32.roles[0].comm["all_gather[dp_shard]"]
+    assert any("auto resolved as on CUDA" in n for n in auto.notes) and not fp32.notes
+    proc = kforge_in_process("estimate", *args, "--model.loss_impl=liger", "--num_nodes", "1",
+                             "--devices_per_node", "2")  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("kforge: error: model.loss_impl: liger runs Triton kernels"), proc.stderr
+
+
+def test_pipeline_with_tied_embeddings_counts_the_embedding_gradient_all_reduce():
+    """Issue 27 check 4: pp_debug tied at 1 x 2: both stages all-reduce their copy of the embedding's gradient over
+    the first/last-stage pair (the pp group at pp=2), vocab x dim fp32 (the sharded run's gradients stay fp32),
+    on top of the scalars (loss, gradient norm) the untied run reduces too."""
+    args = ["--config", str(REPO / "configs" / "pp_debug.yaml")]
+    tied = estimate([*args, "--model.config.tie_embeddings=true"], 1, 2, alternatives=False)
+    untied = estimate(args, 1, 2, alternatives=False)
+    embedding_grad = 50257 * 128 * 4
+    for with_tie, without in zip(tied.roles, untied.roles, strict=True):
+        # within 1 kB: the gradient norm's scalars differ with the tied copy left out of it (norm_skip)
+        assert with_tie.comm["all_reduce[pp]"] - without.comm["all_reduce[pp]"] == pytest.approx(embedding_grad, abs=1024)
+        assert without.comm["all_reduce[pp]"] < 1024
