@@ -566,8 +566,9 @@ class VisionLanguage(CausalLM):
         freeze: what trains at the start (a ``FreezeSchedule`` callback may change it by step).
         optimizer, scheduler, grad_clip, init_seed, z_loss_weight, loss_chunk_size, loss_impl: as :class:`CausalLM`
             (``auto``: the head fused with the loss over token chunks with tp=1 and pp=1, on the text positions).
-        init_from: the language model's Hugging Face ``save_pretrained`` folder (Llama, Qwen 2 / 3, Mixtral, Qwen-MoE:
-            grouped-query attention): its ``config.json`` is the text model (``--model.config.*`` as
+        init_from: the language model's Hugging Face ``save_pretrained`` folder (Llama, Qwen 2 / 3, Mixtral, Qwen-MoE,
+            DeepSeek-V3; MoE folders with joint_decoder / cross_attention, MLA not with mot, see
+            :func:`check_vlm_text_config`): its ``config.json`` is the text model (``--model.config.*`` as
             :class:`CausalLM`'s ``init_from``) and each rank reads its shard of the text weights after sharding;
             what the text model lacks keeps its init (cross_attention: zero-gated cross blocks, so the model is the
             text model at step 0; MoT: the text weights in every modality's tower; MoMa: every expert a copy of the
@@ -636,8 +637,8 @@ class VisionLanguage(CausalLM):
 
         Raises:
             MeshConfigError: ``moma`` with ``num_experts > 0`` (MoMa's experts are its own modality
-                groups) or ``ep > 1``; ``tp > 1`` with MoE layers (proven for CausalLM only); ``tp`` not
-                dividing ``cross_attn_n_kv_heads``; sequence parallelism with an arch other than joint_decoder.
+                groups) or ``ep > 1``; ``tp`` not dividing ``cross_attn_n_kv_heads``; sequence parallelism with an
+                arch other than joint_decoder.
         """
         cfg, vlm = self.config, self.vlm_config
         if vlm.arch == "moma" and (cfg.num_experts > 0 or dims.ep > 1):
@@ -645,11 +646,6 @@ class VisionLanguage(CausalLM):
                 f"vlm.arch='moma' needs model.config.num_experts=0 and ep=1 (got num_experts={cfg.num_experts}, "
                 f"ep={dims.ep}): MoMa's experts are its per-modality groups (vlm.moma_experts_per_modality), "
                 "not the decoder's MoE layers, and they are not expert-parallel."
-            )
-        if cfg.num_experts > 0 and dims.tp > 1:
-            raise MeshConfigError(
-                f"tp={dims.tp} with model.config.num_experts={cfg.num_experts} is not supported for VisionLanguage "
-                "(MoE + tensor parallelism is built and proven for CausalLM only); use tp=1 or a dense backbone."
             )
         super().validate_parallel(dims)
         kv = vlm.cross_attn_n_kv_heads
@@ -838,23 +834,34 @@ class VisionLanguage(CausalLM):
 
 
 def check_vlm_text_config(text: ModelConfig, vlm: VLMConfig, init_from: str | None) -> None:
-    """The text model (``model.config``, or the folder's ``config.json`` under ``init_from``) is one the VLM
-    backbones build: grouped-query attention, and under ``init_from`` with ``moma`` an FFN whose width every
-    expert can copy (sparse upcycling).
+    """The text model (``model.config``, or the folder's ``config.json`` under ``init_from``) is one the arch's
+    backbone builds: ``mot`` unties GQA projections per modality, so it takes no multi-head latent attention; ``mot``
+    and ``moma`` have per-modality FFNs, so no token-choice MoE layers (joint_decoder and cross_attention build the
+    text model's own blocks: MLA and MoE as for text; MoMa's shared attention may be MLA); and under ``init_from``
+    with ``moma`` an FFN whose width every expert can copy (sparse upcycling).
 
     Raises:
-        UserError: (a ``ValueError``) ``attention`` other than ``gqa`` (field ``model.config.attention``, or
-            ``model.init_from`` naming the folder's); ``moma`` experts of another width than the folder's FFN.
+        UserError: (a ``ValueError``) ``mot`` with ``attention='mla'`` (field ``model.config.attention``, or
+            ``model.init_from`` naming the folder's); ``mot`` / ``moma`` with ``num_experts > 0``; ``moma`` experts of
+            another width than the folder's FFN.
     """
-    if text.attention != "gqa":  # the VLM backbones build their own attention modules
-        if init_from is not None:
-            raise UserError(
-                "model.init_from",
-                f"{init_from} is a {text.attention} model; VisionLanguage backbones take grouped-query attention "
-                "(Llama, Qwen 2/3, Mixtral, Qwen-MoE folders)",
-            )
-        raise UserError(
-            "model.config.attention", f"{text.attention!r} is not supported by VisionLanguage; allowed: 'gqa'"
+    if vlm.arch == "mot" and text.attention != "gqa":
+        _refuse_text_field(
+            init_from,
+            "attention",
+            repr(text.attention),
+            "vlm.arch='mot', which unties the attention's q/k/v/o projections per modality (MLA's shared latent "
+            "projections have no per-modality form here); allowed: 'gqa' (joint_decoder, cross_attention and moma "
+            "take MLA)",
+        )
+    if vlm.arch in ("mot", "moma") and text.num_experts > 0:
+        ffn = "unties a dense FFN per modality" if vlm.arch == "mot" else "has its own per-modality expert groups"
+        _refuse_text_field(
+            init_from,
+            "num_experts",
+            str(text.num_experts),
+            f"vlm.arch={vlm.arch!r}, which {ffn} (no token-choice MoE layers); allowed: 0 (joint_decoder and "
+            "cross_attention take MoE)",
         )
     if init_from is not None and vlm.arch == "moma" and text.expert_hidden != text.ffn_hidden:
         raise UserError(
@@ -862,6 +869,15 @@ def check_vlm_text_config(text: ModelConfig, vlm: VLMConfig, init_from: str | No
             f"vlm.arch='moma' with model.init_from copies the folder's FFN (width {text.ffn_hidden}) into every "
             f"expert, whose width is {text.expert_hidden}; allowed: 1 (experts as wide as the FFN)",
         )
+
+
+def _refuse_text_field(init_from: str | None, name: str, value: str, why: str) -> None:
+    """Raise the UserError for text field ``name`` (``ModelConfig.<name>`` = ``value``) the arch does not take: under
+    ``model.config.<name>``, or ``model.init_from`` naming the folder whose ``config.json`` set it. The message starts
+    with the field as the CLI reads it from a wrapped error (:func:`~kempnerforge.cli_errors.infer_field`)."""
+    if init_from is None:
+        raise UserError(f"model.config.{name}", f"ModelConfig.{name}={value} is not taken by {why}")
+    raise UserError("model.init_from", f"init_from={init_from} has ModelConfig.{name}={value}, not taken by {why}")
 
 
 def encoder_grid_and_width(cfg: VisionEncoderConfig) -> tuple[tuple[int, int], int]:

@@ -48,13 +48,14 @@ def save_tiny_deepseek_v3(path: Path, seed: int = 0, **overrides) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**HF_KW, **overrides})).eval()
+    kw = {**HF_KW, **overrides}
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kw)).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1 + 0.2 * noise if p.ndim == 1 else 0.15 * noise)
-        for layer in model.model.layers[HF_KW["first_k_dense_replace"] :]:
+        for layer in model.model.layers[kw["first_k_dense_replace"] :]:  # the MoE layers
             layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))
     model.save_pretrained(path)
     char_tokenizer(path)

@@ -22,6 +22,17 @@ def tiny_text(vocab_size: int = 128, max_seq_len: int = 64, tie: bool = False) -
     )  # fmt: skip
 
 
+#: DeepSeek-V3's attention at the tiny width: multi-head latent attention with a query latent (MLA heads are n_heads).
+MLA = dict(attention="mla", n_kv_heads=None, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
+           v_head_dim=8)  # fmt: skip
+
+
+def tiny_mla_moe_text(**kw) -> ModelConfig:
+    """``tiny_text`` with :data:`MLA` and MoE blocks (4 experts, top-2, a shared expert); ``kw`` overrides
+    (``num_experts=0``: MLA alone)."""
+    return ModelConfig(**{**tiny_text().__dict__, **MLA, "num_experts": 4, "top_k": 2, "n_shared_experts": 1, **kw})
+
+
 def tiny_encoder(family: str = "siglip", image_size: int = 32, patch_size: int = 8) -> VisionEncoderConfig:
     """A 2-layer random vision tower, width 32 (a 4x4 patch grid at 32 px / 8 px patches)."""
     return VisionEncoderConfig(

@@ -241,11 +241,14 @@ def test_mla_on_cuda_flex_and_bf16(monkeypatch):
     assert (low - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_vision_language_refuses_mla():
+def test_vision_language_takes_mla_except_mot():
+    """The VLM backbones built from the text blocks take MLA (tests/unit/test_vlm_archs.py); MoT refuses it in one line."""
+    from kempnerforge.config.vlm import VLMConfig
     from kempnerforge.module import VisionLanguage
 
-    with pytest.raises(ValueError, match="'mla' is not supported by VisionLanguage"):
-        VisionLanguage(config=_cfg())
+    assert VisionLanguage(config=_cfg()).vlm_config.arch == "joint_decoder"
+    with pytest.raises(ValueError, match="ModelConfig.attention='mla' is not taken by vlm.arch='mot'"):
+        VisionLanguage(config=_cfg(), vlm=VLMConfig(arch="mot"))
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 16])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kempnerforge.config import ModelConfig
+from kempnerforge.errors import UserError
 from kempnerforge.model import Transformer
 from kempnerforge.model.vlm import ARCHS, build_backbone
 from kempnerforge.model.vlm.model import VisionLanguageModel
@@ -14,13 +15,13 @@ from kempnerforge.module import VisionLanguage, check_vlm_lengths
 from kempnerforge.parallel.mesh import MeshConfigError, ParallelDims
 from kempnerforge.training.freeze import FreezeSpec
 from kempnerforge.training.loss import token_cross_entropy_sum
-from tests.vlm_tiny import tiny_connector, tiny_encoder, tiny_text, tiny_vlm
+from tests.vlm_tiny import tiny_connector, tiny_encoder, tiny_mla_moe_text, tiny_text, tiny_vlm
 
 ARCH_NAMES = sorted(ARCHS)
 
 
-def _text_model(seed: int = 3) -> Transformer:
-    model = Transformer(tiny_text())
+def _text_model(seed: int = 3, text: ModelConfig | None = None) -> Transformer:
+    model = Transformer(text or tiny_text())
     model.init_weights(seed)
     return model
 
@@ -43,12 +44,36 @@ def test_cross_attention_equals_the_text_model_at_init(n_kv, every):
     assert not torch.allclose(backbone(ids, visual), expected)
 
 
-def test_joint_decoder_without_images_is_the_text_model():
-    backbone = build_backbone(tiny_text(), tiny_vlm("joint_decoder"))
+@pytest.mark.parametrize("mla_moe", [False, True], ids=["gqa", "mla_moe"])
+def test_joint_decoder_without_images_is_the_text_model(mla_moe):
+    """Also with MLA + MoE blocks (issue 32 item 2): the same blocks, RoPE tables (qk_rope_head_dim wide), init and
+    FQNs as the text Transformer."""
+    text = tiny_mla_moe_text() if mla_moe else tiny_text()
+    backbone = build_backbone(text, tiny_vlm("joint_decoder"))
     backbone.init_weights(3)
     ids = torch.randint(0, 128, (2, 10))
-    torch.testing.assert_close(backbone(ids, None), _text_model(3)(ids), rtol=0, atol=0)
-    assert set(backbone.state_dict()) == set(_text_model(3).state_dict())
+    torch.testing.assert_close(backbone(ids, None), _text_model(3, text)(ids), rtol=0, atol=0)
+    assert set(backbone.state_dict()) == set(_text_model(3, text).state_dict())
+
+
+@pytest.mark.parametrize("num_experts", [0, 4])
+def test_mla_cross_attention_and_moma_start_as_the_text_model(num_experts):
+    """Issue 32 item 2: with MLA (and MoE) text blocks, cross_attention is the text model at init whatever the images;
+    MoMa's shared attention is the text model's MLA (its blocks' attention holds the same weights as the text
+    model's under the same seed)."""
+    text = tiny_mla_moe_text(num_experts=num_experts)
+    cross = build_backbone(text, tiny_vlm("cross_attention"))
+    cross.init_weights(3)
+    ids = torch.randint(0, 128, (2, 10))
+    torch.testing.assert_close(cross(ids, torch.randn(2, 6, 32)), _text_model(3, text)(ids), rtol=0, atol=0)
+    if num_experts == 0:
+        moma = build_backbone(text, tiny_vlm("moma"))
+        moma.init_weights(3)
+        dense = _text_model(3, text).state_dict()
+        attention = {k: v for k, v in moma.state_dict().items() if ".attention." in k}
+        assert {k.split(".")[-2] for k in attention} == {"wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm", "wkv_b", "wo"}
+        for k, v in attention.items():
+            torch.testing.assert_close(v, dense[k], rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.parametrize("arch", ["joint_decoder", "cross_attention"])
@@ -165,30 +190,63 @@ def test_tp_plan_matches_every_module_of_the_wrapper(arch):
         assert unmatched_plan_entries(block, plan.block) == []
 
 
+@pytest.mark.parametrize("arch", ["joint_decoder", "cross_attention", "moma"])
+def test_tp_plan_covers_mla_and_moe_blocks(arch):
+    """Issue 32 item 2: with MLA (every arch but mot) and MoE layers (joint_decoder, cross_attention) the wrapper's plan
+    holds the text path's entries (MLA's heads split, ``LatentAttentionTensorParallel`` on the attention; the MoE
+    blocks' ``moe_block`` plan: expert-TP, shared experts column/row-wise), and every entry matches a module."""
+    from kempnerforge.parallel.tensor_parallel import unmatched_plan_entries
+
+    text = tiny_mla_moe_text(num_experts=0 if arch == "moma" else 4)
+    with torch.device("meta"):
+        model = VisionLanguageModel(text, tiny_vlm(arch, cross_attn_every=2), tiny_encoder(), tiny_connector())
+    plan = model.tp_plan()
+    assert unmatched_plan_entries(model, plan.root) == []
+    block_plan = plan.moe_block if text.num_experts else plan.block
+    assert {"attention", "attention.wq_b", "attention.wkv_b", "attention.wo"} <= set(block_plan)
+    if text.num_experts:
+        assert {"moe", "moe.experts", "moe.shared_experts.0.w1"} <= set(block_plan)
+        assert set(model.moe_layers()) == {"backbone.layers.0.moe", "backbone.layers.1.moe"}
+    for block in model.layers.values():
+        assert unmatched_plan_entries(block, block_plan) == []
+
+
 def _module(arch: str, **text) -> VisionLanguage:
     return VisionLanguage(config=tiny_text(**text), vlm=tiny_vlm(arch), encoder=tiny_encoder())
 
 
 def test_moma_with_decoder_moe_or_ep_is_refused():
     moe = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=128, num_experts=4, top_k=2)
-    module = VisionLanguage(config=moe, vlm=tiny_vlm("moma"), encoder=tiny_encoder())
-    with pytest.raises(
-        MeshConfigError, match=r"vlm.arch='moma' needs model.config.num_experts=0 and ep=1 \(got num_experts=4, ep=1\)"
-    ):
-        module.validate_parallel(ParallelDims(world_size=1))
+    with pytest.raises(UserError, match=r"num_experts=4 is not taken by vlm.arch='moma', which has its own") as e:
+        VisionLanguage(config=moe, vlm=tiny_vlm("moma"), encoder=tiny_encoder())
+    assert e.value.field == "model.config.num_experts"
     with pytest.raises(MeshConfigError, match=r"got num_experts=0, ep=2"):
         _module("moma").validate_parallel(ParallelDims(dp_shard=2, ep=2, world_size=2))
     _module("joint_decoder").validate_parallel(ParallelDims(world_size=1))  # the other archs pass
 
 
-def test_vlm_with_moe_and_tp_is_refused():
-    moe = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=128, num_experts=4, top_k=2)
-    module = VisionLanguage(config=moe, vlm=tiny_vlm("joint_decoder"), encoder=tiny_encoder())
-    with pytest.raises(
-        MeshConfigError, match=r"tp=2 with model.config.num_experts=4 is not supported for VisionLanguage"
+def test_mot_refuses_mla_and_moe_in_one_line():
+    """Issue 32 item 2: MoT unties GQA projections and a dense FFN per modality; each refusal names its field."""
+    for text, field, match in (
+        (
+            tiny_mla_moe_text(num_experts=0),
+            "model.config.attention",
+            r"^ModelConfig.attention='mla' is not taken by vlm",
+        ),
+        (ModelConfig(**{**tiny_text().__dict__, "num_experts": 4}), "model.config.num_experts", r"a dense FFN per"),
     ):
-        module.validate_parallel(ParallelDims(tp=2, world_size=2))
-    module.validate_parallel(ParallelDims(dp_shard=2, ep=2, world_size=2))  # EP alone stays allowed
+        with pytest.raises(UserError, match=match) as err:
+            VisionLanguage(config=text, vlm=tiny_vlm("mot"), encoder=tiny_encoder())
+        assert err.value.field == field
+
+
+@pytest.mark.parametrize("arch", ["joint_decoder", "cross_attention"])
+def test_vlm_with_mla_moe_passes_tp_and_ep_validation(arch):
+    """Issue 32 item 2: MoE VLM backbones take tp > 1 (the text path's expert-TP plan) and ep, as CausalLM."""
+    module = VisionLanguage(config=tiny_mla_moe_text(), vlm=tiny_vlm(arch), encoder=tiny_encoder())
+    module.validate_parallel(ParallelDims(tp=2, world_size=2))
+    module.validate_parallel(ParallelDims(dp_shard=2, ep=2, world_size=2))
+    module.validate_parallel(ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4))
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)

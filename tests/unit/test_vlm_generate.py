@@ -13,13 +13,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from kempnerforge.model.generate import SamplingConfig
 from kempnerforge.model.vlm.model import VisionLanguageModel
 from kempnerforge.model.vlm_generate import generate_with_image
-from tests.vlm_tiny import GPT2, IMAGES, tiny_connector, tiny_encoder, tiny_text, tiny_vlm
+from tests.vlm_tiny import GPT2, IMAGES, tiny_connector, tiny_encoder, tiny_mla_moe_text, tiny_text, tiny_vlm
 
 PROMPTS = [[5, 17, 3, 99], [42, 7]]
 
 
-def _model(arch: str) -> VisionLanguageModel:
-    model = VisionLanguageModel(tiny_text(), tiny_vlm(arch), tiny_encoder(), tiny_connector())
+def _model(arch: str, mla_moe: bool = False) -> VisionLanguageModel:
+    text = tiny_mla_moe_text() if mla_moe else tiny_text()
+    model = VisionLanguageModel(text, tiny_vlm(arch), tiny_encoder(), tiny_connector())
     model.init_weights(seed=0)
     with torch.no_grad():  # open cross-attention gates so the image matters
         for name, p in model.named_parameters():
@@ -37,9 +38,14 @@ def _oracle(model: VisionLanguageModel, prompt: list[int], pixels: torch.Tensor,
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("arch", ["joint_decoder", "cross_attention", "mot"])
-def test_greedy_batch_with_images_equals_per_row_training_forward(arch):
-    model = _model(arch)
+@pytest.mark.parametrize(
+    ("arch", "mla_moe"),
+    [("joint_decoder", False), ("cross_attention", False), ("mot", False), ("joint_decoder", True),
+     ("cross_attention", True)],
+)  # fmt: skip
+def test_greedy_batch_with_images_equals_per_row_training_forward(arch, mla_moe):
+    """``mla_moe``: MLA + MoE text blocks (issue 32 item 2): the joint_decoder's cache holds MLA's latent."""
+    model = _model(arch, mla_moe)
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     sampling = SamplingConfig(max_new_tokens=6)
     out = generate_with_image(model, PROMPTS, pixels, sampling)

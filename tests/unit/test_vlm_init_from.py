@@ -9,6 +9,8 @@ every token, and routers set to zero here give each copy the gate 1/2, so the su
 weights went; a MoMa from init_from in general starts near, not at, the text model). The joint_decoder's loss on an image-caption batch
 equals that of a ``LlavaForConditionalGeneration`` assembled by hand from the same folders and our connector's
 weights (SigLIP features before its post-layernorm: ``encoder.feature_layer=-1``, LLaVA's ``vision_feature_layer``).
+A tiny DeepSeek-V3 folder (MLA, MoE) starts joint_decoder, cross_attention and (dense) MoMa at the HF text model; MoT
+refuses MLA in one line.
 """
 
 from __future__ import annotations
@@ -131,13 +133,45 @@ def test_joint_decoder_image_caption_loss_equals_hand_assembled_llava(folders):
     assert abs(ours.item() - theirs.item()) <= 1e-5, (ours.item(), theirs.item())
 
 
-def test_a_folder_of_another_attention_is_refused_in_one_line(tmp_path):
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """Tiny random DeepseekV3ForCausalLM folders (tests/deepseek_tiny.py: MLA with a query latent and interleaved
+    RoPE): ``moe`` (1 dense + 2 group-limited sigmoid MoE layers, a shared expert) and ``dense`` (3 dense layers)."""
     from tests.deepseek_tiny import save_tiny_deepseek_v3
 
-    folder = save_tiny_deepseek_v3(tmp_path / "dsv3")
-    with pytest.raises(UserError, match="VisionLanguage backbones take grouped-query attention") as err:
-        VisionLanguage(init_from=str(folder))
-    assert err.value.field == "model.init_from"
+    root = tmp_path_factory.mktemp("dsv3")
+    return {
+        "moe": save_tiny_deepseek_v3(root / "moe"),
+        "dense": save_tiny_deepseek_v3(root / "dense", 1, first_k_dense_replace=3),
+    }
+
+
+@pytest.mark.parametrize(("arch", "folder"), [("joint_decoder", "moe"), ("cross_attention", "moe"), ("moma", "dense")])
+def test_a_deepseek_v3_folder_starts_the_mla_archs_at_the_hf_text_model(folders, deepseek, arch, folder):
+    """Issue 32 item 2, MLA backbones: a DeepSeek-V3 folder as ``init_from`` (MLA, and for joint_decoder and
+    cross_attention its MoE layers; MoMa takes dense FFNs, so a dense DeepSeek-V3) gives the HF text model's logits at
+    step 0 within 1e-5 (MoMa's routers zeroed as above)."""
+    from transformers import AutoModelForCausalLM
+
+    folders = {**folders, "ds": deepseek[folder]}
+    module = _vlm(folders, "ds", arch)
+    assert module.config.attention == "mla" and (module.config.num_experts > 0) == (folder == "moe")
+    for name, param in module.model.named_parameters():
+        if name.endswith("router.weight"):
+            param.data.zero_()
+    hf = AutoModelForCausalLM.from_pretrained(deepseek[folder], dtype=torch.float32).eval()
+    ids = torch.randint(2, 128, (3, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = module(ids), hf(ids).logits
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_mot_refuses_an_mla_or_moe_folder_in_one_line(deepseek):
+    for folder in ("dense", "moe"):
+        with pytest.raises(UserError, match=r"has ModelConfig.attention='mla', not taken by vlm.arch='mot'") as err:
+            VisionLanguage(vlm=VLMConfig(arch="mot"), init_from=str(deepseek[folder]))
+        assert err.value.field == "model.init_from" and str(err.value).startswith(f"init_from={deepseek[folder]} ")
 
 
 def test_a_feature_layer_outside_the_tower_is_refused(folders):

@@ -83,7 +83,7 @@ class CrossAttention(nn.Module):
 class CrossAttentionDecoderLayer(TransformerBlock):
     """A dense decoder layer, preceded (when ``has_cross``) by the tanh-gated cross-attention block.
 
-    Shapes: forward(x (batch, text, dim), rope (2, text, head_dim) int32 (packed RoPE tables,
+    Shapes: forward(x (batch, text, dim), rope (2, text, rope_head_dim) int32 (packed RoPE tables,
     :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, text) bool or None, visual (batch,
     n_visual, dim) or None, visual_mask (batch, n_visual) bool or None) -> (batch, text, dim). With
     ``visual`` None the cross block is skipped (a text-only batch).

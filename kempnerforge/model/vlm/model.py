@@ -19,9 +19,11 @@ from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vision import ConnectorConfig, VisionEncoderConfig
 from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.connectors import Connector
+from kempnerforge.model.init import canonical_fqn
 from kempnerforge.model.tp_plan import TPPlan
 from kempnerforge.model.vision import VisionEncoder
 from kempnerforge.model.vlm.base import VLMBackbone, build_backbone
+from kempnerforge.parallel.contract import is_moe_layer
 
 
 class VisionLanguageModel(nn.Module):
@@ -80,9 +82,18 @@ class VisionLanguageModel(nn.Module):
         return [*self.encoder.layers, self.encoder, self.connector]
 
     def tp_plan(self, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> TPPlan:
-        """The backbone's plan, root entries prefixed with ``backbone.`` (encoder and connector stay replicated)."""
+        """The backbone's plan, root entries prefixed with ``backbone.`` (encoder and connector stay replicated); its
+        ``moe_block`` plan (expert-TP, :func:`~kempnerforge.model.tp_plan.moe_block_tp_plan`) for the blocks that
+        hold an MoE layer."""
         plan = self.backbone.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        return TPPlan(root={f"backbone.{k}": v for k, v in plan.root.items()}, block=plan.block)
+        root = {f"backbone.{k}": v for k, v in plan.root.items()}
+        return TPPlan(root=root, block=plan.block, moe_block=plan.moe_block)
+
+    def moe_layers(self) -> dict[str, nn.Module]:
+        """The backbone's token-choice MoE layers by canonical FQN (``backbone.layers.1.moe``), through any wrapper;
+        empty without MoE. The module adds their auxiliary losses and updates their routers' bias from them
+        (:class:`~kempnerforge.training.moe_balance.MoEStepTracker`)."""
+        return {canonical_fqn(n): m for n, m in self.named_modules() if is_moe_layer(m)}
 
     def tie_weights(self) -> None:
         """Re-tie the backbone's head to its embedding (after ``to_empty``)."""

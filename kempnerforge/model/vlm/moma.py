@@ -1,7 +1,8 @@
 """MoMa backbone (``vlm.arch: moma``; Lin et al. 2024, arXiv:2407.21770): modality-aware mixture of experts.
 
 Each block keeps the dense decoder's shared parts (pre-norms and one global causal self-attention
-over ``[visual; text]``, :class:`~kempnerforge.model.attention.Attention`) and replaces the FFN by one
+over ``[visual; text]``, :class:`~kempnerforge.model.attention.Attention` or, with ``attention='mla'``,
+:class:`~kempnerforge.model.mla.MultiHeadLatentAttention`) and replaces the FFN by one
 group of ``vlm.moma_experts_per_modality`` SwiGLU experts per modality: image tokens go only to the
 image group and text tokens only to the text group (sec. 2.2, "modality-aware sparsity"); inside a
 group, experts choose tokens (:mod:`~kempnerforge.model.vlm.expert_choice`) per sequence with
@@ -29,6 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from kempnerforge.config.model import ModelConfig
 from kempnerforge.config.vlm import VLMConfig
 from kempnerforge.model.attention import Attention
+from kempnerforge.model.mla import MultiHeadLatentAttention
 from kempnerforge.model.norm import RMSNorm
 from kempnerforge.model.rope import unpack_rope
 from kempnerforge.model.tp_plan import dense_decoder_tp_plan
@@ -44,9 +46,10 @@ class MoMaBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + experts_m(ffn_norm(h))`` where
     ``experts_m`` is the expert-choice group of each token's modality (arXiv:2407.21770, sec. 2.2).
 
-    Norms and attention are shared by all modalities (as the paper); the FFN is per modality.
+    Norms and attention are shared by all modalities (as the paper); the FFN is per modality. The attention is the
+    text model's: GQA, or multi-head latent attention with ``attention='mla'`` (DeepSeek-V2, arXiv:2405.04434).
 
-    Shapes: forward(x (batch, seq, dim), rope (2, seq, head_dim) int32 (packed RoPE tables,
+    Shapes: forward(x (batch, seq, dim), rope (2, seq, rope_head_dim) int32 (packed RoPE tables,
     :func:`~kempnerforge.model.rope.pack_rope`), key_mask (batch, seq) bool or None, dispatch, attn_mask) ->
     (batch, seq, dim). Padded positions (``key_mask`` False) take no expert capacity.
     """
@@ -54,7 +57,7 @@ class MoMaBlock(nn.Module):
     def __init__(self, config: ModelConfig, vlm: VLMConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = MultiHeadLatentAttention(config) if config.attention == "mla" else Attention(config)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         n_exp, cf = vlm.moma_experts_per_modality, vlm.moma_capacity_factor
         self.feed_forward = nn.ModuleDict(
@@ -104,11 +107,13 @@ class MoMaBackbone(PrefixBackbone):
         self.layers = nn.ModuleDict({str(i): MoMaBlock(text, vlm) for i in range(text.n_layers)})
 
     def block_tp_plan(self) -> dict[str, ParallelStyle]:
-        """The dense decoder's attention split (Q/K/V column-wise, O row-wise, QK-norms on local heads);
-        the expert groups and routers stay replicated over the TP ranks (packed expert weights are not
-        ``nn.Linear`` modules; each TP rank computes the same expert outputs and gradients)."""
+        """The dense decoder's attention split (Q/K/V column-wise, O row-wise, QK-norms on local heads; MLA's heads
+        split and its module's own style, :class:`~kempnerforge.model.tp_plan.LatentAttentionTensorParallel`, which
+        sums the shared RoPE key's gradient over TP); the expert groups and routers stay replicated over the TP ranks
+        (packed expert weights are not ``nn.Linear`` modules; each TP rank computes the same expert outputs and
+        gradients)."""
         dense = dense_decoder_tp_plan(self.config, sequence_parallel=False, loss_parallel=False).block
-        return {k: v for k, v in dense.items() if k.startswith("attention.")}
+        return {k: v for k, v in dense.items() if k == "attention" or k.startswith("attention.")}
 
     def text_key(self, fqn: str) -> str | None:
         """Shared parts read their own dense key; every expert of a group reads the dense FFN weight
