@@ -45,8 +45,10 @@ def test_dcp_checkpoint_resumes_with_identical_losses(record, arch):
     assert r["resumed_losses"] == r["fsdp_losses"][2:]
 
 
-@pytest.mark.parametrize("arch", ["mot", "moma"])
+@pytest.mark.parametrize("arch", ["mot", "moma", "moma_mla"])
 def test_tp2_equals_unsharded(record, arch):
+    """``moma_mla``: MoMa's shared attention as MLA (issue 32 item 2), its heads split and the shared RoPE key's
+    gradient summed over TP by the attention's own style."""
     r = record[arch]
     assert r["tp_sharded"] > 0
     assert r["tp_logits_err"] < 1e-5

@@ -1,6 +1,8 @@
 """Issue 5 check 6: a 2-process gloo FSDP2 run of the VLM (vlm_mot, and the cross-attention arch whose
 extra blocks are their own FSDP2 units) equals the single-process losses within 1e-5, and a checkpoint
-resumes with identical losses and the same freeze state."""
+resumes with identical losses and the same freeze state. Issue 32: joint_decoder with sequence parallelism, pipeline
+stages and FP8, and MLA + MoE backbones (joint_decoder, cross_attention) under FSDP2, tp=2 (expert-TP, with and
+without sequence parallelism) and ep=2, each equal to one process; the runs of one world size share one launch."""
 
 from __future__ import annotations
 
@@ -43,22 +45,107 @@ def test_fsdp2_parity_and_resume_with_freeze_schedule(arch, tmp_path):
     assert resumed["trainable"] == two["trainable"][2:]
 
 
-def test_joint_decoder_sequence_parallel_tp2_and_pp2_equal_one_process(tmp_path):
+#: joint_decoder with sequence parallelism: 16 visual + 23 text positions, 39, odd, so the last position is padding on
+#: the second TP rank.
+SP = "--arch joint_decoder --micro-batch 4 --max-text-len 23"
+#: A DeepSeek-V3-shaped backbone (vlm_train_script.py: MLA with a query latent, every block MoE with 4 experts, top-2
+#: sigmoid routing with bias balancing, a shared expert, sequence aux and z losses), 5 steps on captions cut to 16
+#: text positions (every caption is longer: no padding, so every rank's batch holds as many tokens).
+DS = "--mla --moe --steps 5 --max-text-len 16"
+#: Each launch's runs (name -> vlm_train_script.py flags): one rendezvous per world size serves every test below.
+ONE = {"jd": SP, "ds_jd": f"--arch joint_decoder {DS}", "ds_cross": f"--arch cross_attention {DS}"}
+TWO = {
+    "jd_sp": f"{SP} --tp 2 --sequence-parallel",
+    "ds_jd_fsdp": f"--arch joint_decoder {DS} --micro-batch 2",
+    "ds_jd_tp": f"--arch joint_decoder {DS} --tp 2",
+    "ds_jd_tp_sp": f"--arch joint_decoder {DS} --tp 2 --sequence-parallel",
+    "ds_jd_ep": f"--arch joint_decoder {DS} --ep 2 --micro-batch 2",
+    "ds_cross_tp": f"--arch cross_attention {DS} --tp 2",
+}
+FOUR = {"jd_pp_sp": f"{SP} --pp 2 --tp 2 --sequence-parallel"}
+
+
+def _runs(nproc: int, out: Path, runs: dict[str, str]) -> dict:
+    specs = [f"{name}:{flags}" for name, flags in runs.items()]
+    return _run(nproc, out, "--arch", "joint_decoder", "--runs", *specs)
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    return _runs(1, tmp_path_factory.mktemp("vlm_one") / "one.json", ONE)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _runs(2, tmp_path_factory.mktemp("vlm_two") / "two.json", TWO)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return _runs(4, tmp_path_factory.mktemp("vlm_four") / "four.json", FOUR)
+
+
+def test_joint_decoder_sequence_parallel_tp2_and_pp2_equal_one_process(one, two, four):
     """Issue 32 check 3: joint_decoder with tp=2 and sequence parallelism, then pp=2 x tp=2 x SP, (the joint [visual; text] sequence split
     over the TP ranks, padded to even when the batch's length is odd; vocab-parallel loss) trains as one process
     with the fused chunked loss (loss_impl=auto at tp=1), 6 steps within 1e-5."""
-    # 16 visual + 23 text positions: 39, odd, so the last position is padding on the second TP rank.
-    args = ["--arch", "joint_decoder", "--micro-batch", "4", "--max-text-len", "23"]
-    one = _run(1, tmp_path / "one.json", *args)
-    sp = _run(2, tmp_path / "sp.json", *args, "--tp", "2", "--sequence-parallel")
-    assert len(one["losses"]) == 6 and one["losses"][-1] < one["losses"][0]
-    assert sp["sp_degree"] == 2 and one["sp_degree"] == 1
-    assert sp["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    ref, sp = one["jd"], two["jd_sp"]
+    assert len(ref["losses"]) == 6 and ref["losses"][-1] < ref["losses"][0]
+    assert sp["sp_degree"] == 2 and ref["sp_degree"] == 1
+    assert sp["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     # Issue 32 check 3, pp=2: the same run split into two pipeline stages (encoder, connector, embedding and block 0;
     # block 1, norm and head), with tp=2 and sequence parallelism inside each stage (4 processes).
-    pp_sp = _run(4, tmp_path / "pp_sp.json", *args, "--pp", "2", "--tp", "2", "--sequence-parallel")
+    pp_sp = four["jd_pp_sp"]
     assert pp_sp["sp_degree"] == 2
-    assert pp_sp["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert pp_sp["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+
+
+def _assert_parity(record: dict, ref: dict) -> None:
+    """5 steps: losses within 1e-5 (as every VLM parity test), gradient norms within 1e-5 relative (the text path's
+    MoE tolerance, tests/distributed/test_moe_tensor_parallel.py), the routers' bias after every step equal (each is a
+    function of the step's global expert loads), and the oracle trains."""
+    assert len(record["losses"]) == len(ref["losses"]) == 5
+    assert record["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert record["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.2
+    assert record["bias"] == ref["bias"]  # the same global expert loads every step: the same routing
+
+
+@pytest.mark.parametrize("arch", ["ds_jd", "ds_cross"])
+def test_mla_moe_backbone_one_process_trains_with_its_balancing(one, arch):
+    """Issue 32 item 2: an MLA + MoE backbone (joint_decoder, cross_attention) builds the text model's blocks; its MoE
+    layers are the module's (aux losses in the objective and logged, router bias updated every step)."""
+    ref = one[arch]
+    assert ref["moe_layers"] == ["backbone.layers.0.moe", "backbone.layers.1.moe"]
+    assert ref["aux_logged"] and len(ref["bias"]) == 2 * 5 and any(any(b) for b in ref["bias"])
+
+
+def test_mla_moe_joint_decoder_fsdp2_equals_one_process(one, two):
+    """Issue 32 item 2: an MLA (+ MoE) joint_decoder under FSDP2 on 2 gloo ranks (each rank half the batch)."""
+    record = two["ds_jd_fsdp"]
+    _assert_parity(record, one["ds_jd"])
+    assert record["placements"] == {"experts.w1": "(Shard(dim=0),)", "router": "(Shard(dim=0),)"}  # FSDP2 shards
+
+
+@pytest.mark.parametrize(
+    ("name", "ref", "w1", "router"),
+    [
+        ("ds_jd_tp", "ds_jd", "(Shard(dim=1),)", "plain"),  # expert-TP: each expert's hidden channels split
+        ("ds_jd_tp_sp", "ds_jd", "(Shard(dim=1),)", "plain"),
+        ("ds_cross_tp", "ds_cross", "(Shard(dim=1),)", "plain"),
+        ("ds_jd_ep", "ds_jd", "Shard(dim=0))", "(Shard(dim=0),)"),  # EP (then FSDP2 over dp_shard / ep = 1)
+    ],
+)
+def test_mla_moe_vlm_tp2_ep2_equal_one_process(one, two, name, ref, w1, router):
+    """Issue 32 item 2: MoE VLM backbones under tp=2 (expert-TP, the text path's moe_block plan; heads of MLA split),
+    with sequence parallelism for joint_decoder, and under ep=2 (2 processes), train as one process for 5 steps; every
+    rank holds half of the routed experts' bytes; under TP the router stays a replicated plain parameter."""
+    record = two[name]
+    _assert_parity(record, one[ref])
+    held = record["expert_bytes"]
+    assert held["local"] == [held["global"] // 2] * 2, held
+    assert record["placements"]["experts.w1"].endswith(w1) and record["placements"]["router"] == router
+    assert record["sp_degree"] == (2 if name == "ds_jd_tp_sp" else 1)
 
 
 def test_joint_decoder_pp2_with_a_tied_head_equals_one_process(tmp_path):

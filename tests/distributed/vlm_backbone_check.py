@@ -8,7 +8,7 @@ For each arch:
   trained on the whole batch in this process (built eagerly, no AC, no FSDP). A DCP checkpoint of the
   sharded model and optimizer after step 2, loaded into a fresh sharded model, gives steps 3-4 again.
 - TP=2 (the arch's ``tp_plan``): logits and gradients of one forward/backward on the whole batch vs
-  the unsharded model.
+  the unsharded model; also MoMa with multi-head latent attention (``moma_mla``).
 
 Rank 0 writes ``{arch: {"fsdp_losses": [...], "single_losses": [...], "fsdp_grad_errs": [...], "fsdp_param_err": ...,
 "resumed_losses": [...],
@@ -39,6 +39,10 @@ from kempnerforge.parallel.tensor_parallel import apply_tp
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32, ffn_hidden_dim=48,
                   qk_norm=True, rope_theta=10000.0)  # fmt: skip
+#: MoMa's shared attention as multi-head latent attention (DeepSeek-V3's, with a query latent; issue 32 item 2).
+MLA_CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=32, ffn_hidden_dim=48,
+                      rope_theta=10000.0, attention="mla", kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
+                      qk_rope_head_dim=4, v_head_dim=8)  # fmt: skip
 BATCH, N_VIS, N_TEXT, STEPS, RESUME_AFTER = 4, 6, 10, 4, 2
 
 
@@ -137,8 +141,8 @@ def max_err(sharded, ref: dict, grad: bool) -> float:
     return max(errs)
 
 
-def check_tp(vlm: VLMConfig, world: int) -> dict:
-    ref = build_backbone(CFG, vlm)
+def check_tp(vlm: VLMConfig, world: int, cfg: ModelConfig = CFG) -> dict:
+    ref = build_backbone(cfg, vlm)
     ref.init_weights(seed=9)
     tp = copy.deepcopy(ref)
     apply_tp(
@@ -169,6 +173,7 @@ def main() -> None:
     record = {}
     for vlm in (VLMConfig(arch="mot"), VLMConfig(arch="moma", moma_experts_per_modality=2)):
         record[vlm.arch] = {**check_fsdp(vlm, rank, world, f"{args.ckpt_dir}/{vlm.arch}"), **check_tp(vlm, world)}
+    record["moma_mla"] = check_tp(VLMConfig(arch="moma", moma_experts_per_modality=2), world, MLA_CFG)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(record, f)
