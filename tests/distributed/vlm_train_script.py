@@ -173,7 +173,7 @@ def moe_record(module: VisionLanguage, trainer: Trainer, rec: FreezeRecorder) ->
     layers = module.model.moe_layers()
     if not layers:
         return {}
-    moe = layers["backbone.layers.0.moe"]
+    moe = layers[min(layers)]  # block 0's (a later pipeline stage: its first MoE layer)
     names = {"experts.w1": moe.experts.w1, "router": moe.router.gate.weight}
     placements = {k: str(tuple(p.placements)) if isinstance(p, DTensor) else "plain" for k, p in names.items()}
     return {

@@ -206,7 +206,7 @@ def test_tp_plan_covers_mla_and_moe_blocks(arch):
     assert {"attention", "attention.wq_b", "attention.wkv_b", "attention.wo"} <= set(block_plan)
     if text.num_experts:
         assert {"moe", "moe.experts", "moe.shared_experts.0.w1"} <= set(block_plan)
-        assert set(model.moe_layers()) == {"backbone.layers.0.moe", "backbone.layers.1.moe"}
+        assert set(model.moe_layers()) == {"layers.0.moe", "layers.1.moe"}
     for block in model.layers.values():
         assert unmatched_plan_entries(block, block_plan) == []
 

@@ -90,10 +90,11 @@ class VisionLanguageModel(nn.Module):
         return TPPlan(root=root, block=plan.block, moe_block=plan.moe_block)
 
     def moe_layers(self) -> dict[str, nn.Module]:
-        """The backbone's token-choice MoE layers by canonical FQN (``backbone.layers.1.moe``), through any wrapper;
-        empty without MoE. The module adds their auxiliary losses and updates their routers' bias from them
+        """The backbone's token-choice MoE layers by canonical FQN within the backbone (``layers.1.moe``, the names
+        the text model and a pipeline stage of ``layers`` give them), through any wrapper; empty without MoE. The
+        module adds their auxiliary losses and updates their routers' bias from them
         (:class:`~kempnerforge.training.moe_balance.MoEStepTracker`)."""
-        return {canonical_fqn(n): m for n, m in self.named_modules() if is_moe_layer(m)}
+        return {canonical_fqn(n): m for n, m in self.backbone.named_modules() if is_moe_layer(m)}
 
     def tie_weights(self) -> None:
         """Re-tie the backbone's head to its embedding (after ``to_empty``)."""
