@@ -13,6 +13,7 @@ exactly the activations the real schedule keeps in flight. Sent and received byt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,6 +96,8 @@ class SimulatedSchedule:
             real = build_schedule(runner.schedule_name, stages, runner.microbatches, runner._loss_fn)
             self.actions = real.pipeline_order[runner.pp_mesh.get_local_rank()]
         self._callers = {s: _StageCall(stage.submod) for s, stage in self.stages.items()}
+        #: Called as ``mark(label, phase)`` before each action (the memory tracker's timeline marks).
+        self.mark: Callable[[str, str], None] = lambda label, phase: None
 
     def _count(self, nbytes: int) -> None:
         if self.counter is not None:
@@ -123,6 +126,7 @@ class SimulatedSchedule:
                 self._run(sub, inputs, targets, reduced)
         for s, stage in self.stages.items():  # schedules without REDUCE_GRAD actions reduce at the end
             if s not in reduced:
+                self.mark(f"stage {s} reduce-scatter of gradients", "backward")
                 stage.perform_reduce_grad(1)
 
     def _run(self, action: Any, inputs, targets, reduced: set[int]) -> None:
@@ -131,12 +135,16 @@ class SimulatedSchedule:
         if stage is None:
             return
         if kind == FORWARD:
+            self.mark(f"stage {s} forward, micro-batch {i}", "forward")
             self._forward(stage, s, i, inputs, targets)
         elif kind in (FULL_BACKWARD, BACKWARD_INPUT):
+            self.mark(f"stage {s} backward{'' if kind == FULL_BACKWARD else ' (input)'}, micro-batch {i}", "backward")
             self._backward(stage, s, i, "full" if kind == FULL_BACKWARD else "input")
         elif kind == BACKWARD_WEIGHT:
+            self.mark(f"stage {s} backward (weight), micro-batch {i}", "backward")
             stage.backward_maybe_with_nosync("weight", {"param_groups": self._param_groups.pop((s, i))})
         elif kind == REDUCE_GRAD:
+            self.mark(f"stage {s} reduce-scatter of gradients", "backward")
             stage.perform_reduce_grad(1)
             reduced.add(s)
         # UNSHARD / RESHARD / SEND / RECV actions carry no compute: the transfers are simulated below.

@@ -15,6 +15,8 @@ from typing import Any
 BEFORE_FORWARD = ("Before Pre-Forward", "Pre-Forward")
 AFTER_FORWARD = ("After Post-Forward", "Post-Forward")
 AFTER_PRE_FORWARD = ("After Pre-Forward",)
+#: Tracker states holding a module's high point while active (as :data:`kempnerforge.estimate.tracker.PEAK_STATES`).
+PEAK_STATES = ("Peak Forward", "Peak Backward")
 
 
 @dataclass
@@ -25,7 +27,8 @@ class ModuleMemory:
         module: FQN under the root (``"<Root> (root)"`` for the root; ``layers.N (xK)`` for K alike blocks).
         gathered_bytes: parameters all-gathered for its forward (unsharded parameters + all-gather buffers).
         activation_bytes: activations still held after its forward (kept for backward).
-        peak_bytes: the rank's peak while the module was active (forward or backward).
+        peak_bytes: the rank's peak while the module was active (forward or backward); for a group, the highest
+            of its members'.
     """
 
     module: str
@@ -51,6 +54,10 @@ class RoleEstimate:
         fallbacks: modules counted analytically (``{"module", "reason", "calls", "flops", "activation_bytes"}``).
         step_seconds: time the simulated step took here.
         memory: the tracker summary (peak, per-module snapshots), for programmatic checks; not printed.
+        timeline: memory over the step, one event per FSDP unit hook (each module's without FSDP2), phase mark and
+            highest point between two of them: ``{"phase": "forward" | "backward" | "optimizer", "label",
+            "total": bytes, "bytes": {category: bytes}}``; its largest ``total`` is ``peak_bytes``
+            (:class:`~kempnerforge.estimate.tracker.Timeline`). In ``--json``, drawn by ``--plot``.
     """
 
     rank: int
@@ -71,6 +78,7 @@ class RoleEstimate:
     fallbacks: list[dict[str, Any]]
     step_seconds: float
     memory: dict[str, Any] = field(default_factory=dict, repr=False)
+    timeline: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -153,11 +161,41 @@ def _first(snaps: dict[str, list[dict[str, int]]], states: tuple[str, ...]) -> d
     return None
 
 
+def _module_name(fqn: str) -> tuple[str, str]:
+    """The printed name of a tracked module (root class and checkpoint wrapper dropped) and its group key (block
+    indices as ``N``)."""
+    name = fqn.split(".", 1)[1] if "." in fqn else f"{fqn} (root)"
+    name = name.replace("_checkpoint_wrapped_module.", "")
+    return name, re.sub(r"(?<=\.)\d+(?=\.|$)", "N", name)
+
+
+def module_peaks(memory: dict[str, Any], top: int = 15) -> list[tuple[str, dict[str, int]]]:
+    """The ``top`` module groups by the most memory held while one of them was active (forward or backward).
+
+    Modules grouped as in :func:`module_table` (``layers.N (xK)``); each group's value is the tracker's snapshot at
+    its highest member's high point: ``{category: bytes, ..., "total": bytes}`` (``total`` = the module's
+    ``"peak"`` in the tracker summary). Sorted by ``total``, largest first.
+    """
+    groups: dict[str, list[tuple[str, dict[str, int]]]] = {}
+    for fqn, stats in memory.get("modules", {}).items():
+        highs = [s for state in PEAK_STATES for s in stats["snapshots"].get(state, [])]
+        if highs:
+            name, key = _module_name(fqn)
+            groups.setdefault(key, []).append((name, max(highs, key=lambda s: s.get("total", 0))))
+    rows = []
+    for key, members in groups.items():
+        name, high = max(members, key=lambda m: m[1].get("total", 0))
+        rows.append((f"{key} (x{len(members)})" if len(members) > 1 else name, high))
+    rows.sort(key=lambda r: r[1].get("total", 0), reverse=True)
+    return rows[:top]
+
+
 def module_table(memory: dict[str, Any], top: int = 6) -> list[ModuleMemory]:
     """The ``top`` module groups by gathered + activation bytes, from a tracker summary.
 
     Modules whose names differ only in a block index (``layers.3``, ``layers.4``, ...) are one row named
-    ``layers.N (xK)`` with the largest member's numbers; the root's class name is dropped from the names.
+    ``layers.N (xK)`` with the largest member's gathered and activation bytes and the highest peak of any member
+    (as :func:`module_peaks` ranks it); the root's class name is dropped from the names.
     """
     groups: dict[str, list[ModuleMemory]] = {}
     for fqn, stats in memory.get("modules", {}).items():
@@ -167,15 +205,14 @@ def module_table(memory: dict[str, Any], top: int = 6) -> list[ModuleMemory]:
             continue
         act = after.get("activations", 0) - before.get("activations", 0)
         gathered = sum(gathered_at.get(k, 0) - before.get(k, 0) for k in ("unsharded_params", "all_gather_buffers"))
-        name = fqn.split(".", 1)[1] if "." in fqn else f"{fqn} (root)"
-        name = name.replace("_checkpoint_wrapped_module.", "")
-        key = re.sub(r"(?<=\.)\d+(?=\.|$)", "N", name)
+        name, key = _module_name(fqn)
         groups.setdefault(key, []).append(ModuleMemory(name, max(gathered, 0), max(act, 0), int(stats["peak"])))
     rows = []
     for key, members in groups.items():
         big = max(members, key=lambda m: (m.gathered_bytes + m.activation_bytes, m.peak_bytes))
         label = f"{key} (x{len(members)})" if len(members) > 1 else big.module
-        rows.append(ModuleMemory(label, big.gathered_bytes, big.activation_bytes, big.peak_bytes))
+        peak = max(m.peak_bytes for m in members)
+        rows.append(ModuleMemory(label, big.gathered_bytes, big.activation_bytes, peak))
     rows.sort(key=lambda r: r.gathered_bytes + r.activation_bytes, reverse=True)
     return rows[:top]
 
@@ -222,6 +259,7 @@ def role_estimate(build: Any, rank: int, result: Any) -> RoleEstimate:
         fallbacks=[asdict(f) for f in result.fallbacks],
         step_seconds=round(result.seconds, 2),
         memory=memory,
+        timeline=list(memory.get("timeline", [])),
     )
 
 
@@ -234,13 +272,19 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def format_text(est: Estimate) -> str:
-    """The human-readable report."""
+def describe_layout(est: Estimate) -> str:
+    """The mesh in words, e.g. ``"pp=2 x dp_shard=4"`` or ``"dp_shard=8, ep=8 within dp_shard"``."""
     d = est.degrees
     # ep borrows its ranks from dp_shard (x cp): it is no factor of the world size, so it is named apart.
     axes = " x ".join(f"{k}={v}" for k, v in d.items() if v > 1 and k != "ep") or "one rank"
     if d.get("ep", 1) > 1:
         axes += f", ep={d['ep']} within dp_shard{' x cp' if d.get('cp', 1) > 1 else ''}"
+    return axes
+
+
+def format_text(est: Estimate) -> str:
+    """The human-readable report."""
+    axes = describe_layout(est)
     lines = [
         f"kforge estimate: {est.num_nodes} x {est.devices_per_node} ranks ({axes}), "
         f"{est.model_params / 1e9:.2f}B parameters, {gb(est.gpu_memory_bytes)} per GPU",

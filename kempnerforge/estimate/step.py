@@ -126,24 +126,30 @@ def run_step(build: RankBuild, progress: Callable[[str], None] = lambda message:
             tracker,
             counter,
         ):
+            tracker.mark("step start", "forward")
             if pipeline is not None:
                 progress(f"pipeline schedule: {pipeline.microbatches} micro-batches, forward and backward")
+                pipeline.schedule.mark = tracker.mark
                 loss = strategy.training_step(batch, 0)
                 pipeline.restore_grads(model)
                 pipeline.finish_step_gradients(model)  # a tied embedding: first + last stage's gradients summed
             else:
                 progress("forward and loss")
                 loss = module.training_step(batch, 0)
+                tracker.mark("loss", "backward")
                 progress("backward")
                 module.backward(loss)
+            tracker.mark("gradients ready", "optimizer")
             progress("clipping and optimizer step")
             grads_bytes = _nbytes(p.grad for p in params if p.grad is not None)
             del loss
             module._step_tokens._stats = None  # on_before_optimizer_step's finish(), minus the host read
             clip_grad_norm_(params, module.grad_clip, pp_group=strategy.pp_group)
             module._moe_step()
+            tracker.mark("optimizer.step")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            tracker.mark("step end")
     except FAKE_TENSOR_ERRORS as err:
         raise FakeTensorLimitError(
             f"cannot simulate the step on fake tensors: {describe_failure(err)} needs tensor values or a kernel "

@@ -3,6 +3,7 @@
     kforge estimate --config configs/llama3_70b.yaml --num_nodes 8 --devices_per_node 8
     kforge estimate --config configs/llama3_8b.yaml --num_nodes 1 --devices_per_node 8 --json est.json \\
         --trainer.strategy.init_args.activation_checkpointing=none
+    kforge estimate --config configs/pp_debug.yaml --num_nodes 1 --devices_per_node 2 --plot memory.png
 
 Every argument that is not one of the estimate's own is a ``kforge fit`` argument (``--config`` and
 overrides), parsed by the same CLI. The report goes to stdout, progress lines to stderr. Exit status: 0 it
@@ -13,12 +14,15 @@ simulation cannot run (one line naming the code).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 #: Exit status when the configuration does not fit.
 DOES_NOT_FIT = 3
+#: What ``--plot`` writes (:func:`kempnerforge.estimate.plot.write`).
+PLOT_SUFFIXES = (".png", ".html")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_memory_gb", type=float, default=80.0, help="memory of one GPU in GB (1e9 bytes); 80")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the estimate as JSON to PATH")
     p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="also draw memory over the simulated step (stacked by category, one row per role, modules ranked by "
+        "peak) to PATH: .png, or .html (self-contained, opens offline); needs matplotlib (the plot extra)",
+    )
+    p.add_argument(
         "--no_alternatives",
         action="store_true",
         help="when it does not fit, only reason from the breakdown (no extra simulated steps for AC / micro-batch "
@@ -62,11 +73,34 @@ def _check(args: argparse.Namespace, fit_args: list[str], parser: argparse.Argum
             parser.error(f"--json={args.json}: is a folder; give the path of the JSON file to write")
         if not parent.is_dir():
             parser.error(f"--json={args.json}: the folder {parent} does not exist (create it first)")
+    if args.plot is not None:
+        _check_plot(args.plot, parser)
     if not any(a == "--config" or a.startswith("--config=") for a in fit_args):
         parser.error("--config: give the recipe to estimate (e.g. --config configs/llama3_8b.yaml)")
     for flag in ("--trainer.devices", "--trainer.num_nodes", "--trainer.accelerator"):
         if any(a == flag or a.startswith(flag + "=") for a in fit_args):
             parser.error(f"{flag}: set by the estimate; use --num_nodes / --devices_per_node instead")
+
+
+def _check_plot(path: str, parser: argparse.ArgumentParser) -> None:
+    # Checked here, without importing the estimate package (torch): a refused --plot costs nothing.
+    if Path(path).suffix.lower() not in PLOT_SUFFIXES:
+        parser.error(f"--plot={path}: give a path ending in {' or '.join(PLOT_SUFFIXES)}")
+    if not Path(path).parent.is_dir():
+        parser.error(f"--plot={path}: the folder {Path(path).parent} does not exist (create it first)")
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot: needs matplotlib, which is not installed (pip install 'kempnerforge[plot]')")
+
+
+def _recipe(fit_args: list[str]) -> str | None:
+    """The last ``--config`` of a fit command line (the recipe the plot's title names)."""
+    found = None
+    for i, a in enumerate(fit_args):
+        if a == "--config" and i + 1 < len(fit_args):
+            found = fit_args[i + 1]
+        elif a.startswith("--config="):
+            found = a.split("=", 1)[1]
+    return found
 
 
 def estimate_main(argv: list[str]) -> None:
@@ -120,5 +154,10 @@ def estimate_main(argv: list[str]) -> None:
     if args.json:
         est.write_json(args.json)
         progress(f"wrote {args.json}")
+    if args.plot:
+        from kempnerforge.estimate.plot import write
+
+        write(est, args.plot, _recipe(fit_args))
+        progress(f"wrote {args.plot}")
     if est.verdict is not None and not est.verdict.fits:
         raise SystemExit(DOES_NOT_FIT)
