@@ -106,6 +106,7 @@ def recomputed_in_backward(monkeypatch, saved_ops: frozenset, device: str = "cpu
     (tests/gpu/test_gpu_loss_path.py runs it on CUDA)."""
     import torch.nn.attention.flex_attention as flex_api
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.utils.checkpoint import checkpoint
 
@@ -119,7 +120,7 @@ def recomputed_in_backward(monkeypatch, saved_ops: frozenset, device: str = "cpu
     def keep(name):
         def compiler(gm, example_inputs):
             graphs[name] = gm
-            return gm.forward
+            return make_boxed_func(gm.forward)
 
         return compiler
 
