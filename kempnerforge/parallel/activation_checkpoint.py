@@ -11,10 +11,16 @@ Modes (strategy argument ``activation_checkpointing``):
 - ``"selective"``: every ``ac_every_n``-th block (blocks ``n-1, 2n-1, ...`` in ``model.layers``
   order; ``ac_every_n=1`` equals ``"full"``), trading memory for less recompute.
 - ``"selective_op"``: every block is wrapped, but the outputs of the expensive ops in
-  :data:`SAVED_OPS` (matmuls, SDPA attention, router top-k, TP reduce-scatter) are saved and only
+  :data:`SAVED_OPS` (matmuls, SDPA and FlexAttention, router top-k, TP reduce-scatter) are saved and only
   the cheap rest (norms, activations, RoPE, elementwise) is recomputed, through
   ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (the paper's "selective
-  activation recomputation", done per op as in torchtitan's ``op`` option).
+  activation recomputation", done per op as in torchtitan's ``op`` option). FlexAttention (packed
+  documents on CUDA) is saved where the policy sees its higher-order op: in a compiled block (``compile``,
+  AOTAutograd applies the policy to the block's graph) and in an eager call. An eager block calls the
+  separately compiled FlexAttention kernel (:func:`~kempnerforge.model.attention.attend`), which eager
+  checkpointing cannot see into, so there it is still recomputed (inductor's
+  ``wrap_inductor_compiled_regions`` would expose it; torchtitan turned that off over a PyTorch
+  regression, pytorch/torchtitan#2463).
 
 The step must run after TP / EP / FP8 (they match raw modules by name) and before compile and FSDP2
 (wrapping after FSDP2 owns the parameters breaks its buckets). Every block in ``model.layers`` must be
@@ -54,20 +60,25 @@ CHECKPOINTABLE_BLOCKS: set[type[nn.Module]] = {TransformerBlock}
 
 
 def _ops(*names: str) -> frozenset:
-    """Resolve ``"namespace.op.overload"`` names to op overloads, dropping those this torch build lacks."""
+    """Resolve ``"namespace.op.overload"`` names to op overloads, and ``"higher_order.op"`` names to
+    higher-order operators (no overloads), dropping those this torch build lacks."""
     found = []
     for name in names:
-        ns, op, overload = name.split(".")
-        packet = getattr(getattr(torch.ops, ns, None), op, None)
-        if packet is not None and hasattr(packet, overload):
-            found.append(getattr(packet, overload))
+        ns, op, *overload = name.split(".")
+        target = getattr(getattr(torch.ops, ns, None), op, None)
+        if target is not None and overload:
+            target = getattr(target, overload[0], None)
+        if target is not None:
+            found.append(target)
     return frozenset(found)
 
 
-#: Ops whose outputs ``selective_op`` saves (everything else is recomputed). As torchtitan v0.2's
-#: ``_save_list``: matmuls (``mm``, ``addmm``, float8 ``_scaled_mm``), every SDPA kernel (CPU flash,
-#: CUDA flash / efficient / cuDNN), the MoE router's ``topk`` and ``max`` (float8 amax), and TP's
-#: sequence-parallel ``reduce_scatter_tensor`` (recomputing it would repeat a collective).
+#: Ops whose outputs ``selective_op`` saves (everything else is recomputed). As torchtitan's
+#: ``_op_sac_save_list``: matmuls (``mm``, ``addmm``, float8 ``_scaled_mm``), every SDPA kernel (CPU flash,
+#: CUDA flash / efficient / cuDNN), FlexAttention (packed documents on CUDA: the ``flex_attention``
+#: higher-order operator, as a compiled block's graph and an eager call show it), the MoE router's ``topk``
+#: and ``max`` (float8 amax), and TP's sequence-parallel ``reduce_scatter_tensor`` (recomputing it would
+#: repeat a collective).
 SAVED_OPS: frozenset = _ops(
     "aten.mm.default",
     "aten.addmm.default",
@@ -76,6 +87,7 @@ SAVED_OPS: frozenset = _ops(
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
+    "higher_order.flex_attention",
     "aten.topk.default",
     "aten.max.default",
     "_c10d_functional.reduce_scatter_tensor.default",

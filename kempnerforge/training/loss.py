@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from kempnerforge.parallel.grad_clip import scale_grads_
 from kempnerforge.training.cross_entropy import IGNORE_INDEX, softmax_cross_entropy_sum
+from kempnerforge.training.logsumexp import vocab_parallel_logsumexp
 
 
 def loss_parallel_context(active: bool) -> contextlib.AbstractContextManager:
@@ -113,16 +114,16 @@ def z_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     (Chowdhery et al., arXiv:2204.02311 sec. 5), which keeps the softmax normalizer near 1.
 
     Args:
-        logits: ``(batch, seq, vocab)`` tensor, or a vocab-sharded DTensor (tensor parallel: the
-            log-sum-exp then reduces over the vocab shards through DTensor's reduction rules).
+        logits: ``(batch, seq, vocab)`` tensor, or a vocab-sharded DTensor (tensor parallel with loss
+            parallel): the log-sum-exp then reduces each rank's vocab shard and all-reduces ``batch * seq``
+            floats twice (:func:`~kempnerforge.training.logsumexp.vocab_parallel_logsumexp`), never
+            gathering the logits.
         labels: ``(batch, seq)`` int64; ``IGNORE_INDEX`` positions are excluded.
 
     Returns:
         Scalar fp32 plain tensor; multiply by the z-loss weight (PaLM: 1e-4) and add to the loss sum.
     """
-    lse = torch.logsumexp(logits.float(), dim=-1)
-    if isinstance(lse, DTensor):
-        lse = lse.full_tensor()
+    lse = vocab_parallel_logsumexp(logits)
     return (lse.square() * (labels != IGNORE_INDEX)).sum()
 
 

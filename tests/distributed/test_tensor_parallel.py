@@ -112,7 +112,9 @@ def test_clipped_global_norm_under_tp_fsdp2_equals_single_process(single, tp_fsd
 
 def test_model_level_variants_match_unsharded_model(tmp_path):
     """One forward/backward at tp=2 vs the unsharded model: loss parallel on/off, sequence parallel on/off,
-    tied embeddings and QK-norm (per-head norm weights under TP), uneven vocab (101)."""
+    tied embeddings and QK-norm (per-head norm weights under TP), uneven vocab (101). Cross-entropy + z-loss
+    too (weight 1): on vocab-sharded logits its log-sum-exp reduces the shards (loss_parallel variants), else it runs
+    on the gathered logits."""
     out = tmp_path / "variants.json"
     launch(2, HERE / "tp_model_check.py", ["--out", str(out)])
     variants = json.loads(out.read_text())
@@ -120,6 +122,8 @@ def test_model_level_variants_match_unsharded_model(tmp_path):
     for v in variants:
         assert v["loss_rel"] < 1e-6, v
         assert v["grad_rel"] < 1e-5, v
+        assert v["z_rel"] < 1e-6, v
+        assert v["z_grad_rel"] < 1e-5, v
         assert v["logits_sharded"] == v["lp"], v
         assert v["tied_after_tp"] == v["tie"], v
         # Without sequence parallel only the 5 RMSNorm weights (2 per block + final) stay plain tensors.

@@ -97,6 +97,70 @@ def test_selective_op_saves_matmuls_and_attention_but_recomputes_the_rest():
     assert none.get("silu", 0) == 0 and sop["silu"] == CFG.n_layers  # ...and recomputes the cheap ops
 
 
+def recomputed_in_backward(monkeypatch, saved_ops: frozenset, device: str = "cpu") -> list[str]:
+    """The forward-op targets (``flex_attention``, ``mm``) in the backward graph of a compiled checkpointed block
+    ``silu(flex_attention(split(x @ w)))`` under ``selective_op`` with ``saved_ops``: AOTAutograd's min-cut
+    partitioner (inductor's) applies the policy to the graph, so a saved op is absent there and a recomputed
+    one present. torch 2.13 runs no FlexAttention backward on CPU (its API refuses inputs that require grad);
+    with that check lifted the graph traces and runs in FlexAttention's reference (math) implementation
+    (tests/gpu/test_gpu_loss_path.py runs it on CUDA)."""
+    import torch.nn.attention.flex_attention as flex_api
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import checkpoint
+
+    from kempnerforge.parallel import activation_checkpoint as ac
+
+    if device == "cpu":
+        monkeypatch.setattr(flex_api, "_validate_device", lambda *args: None)
+    monkeypatch.setattr(ac, "SAVED_OPS", saved_ops)
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    mask = flex_api.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 2, 128, 128, device=device)
+
+    def block(x, w):
+        q, k, v = (x @ w).view(1, 128, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.silu(flex_api.flex_attention(q, k, v, block_mask=mask))
+
+    def checkpointed(x, w):
+        return checkpoint(block, x, w, use_reentrant=False, context_fn=ac.selective_op_context_fn)
+
+    torch._dynamo.reset()  # a fresh trace: the policy is applied when the block is compiled
+    backend = aot_autograd(
+        fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=min_cut_rematerialization_partition
+    )
+    x = torch.randn(1, 128, 32, device=device, requires_grad=True)
+    w = torch.randn(32, 96, device=device, requires_grad=True)
+    torch.compile(checkpointed, backend=backend, fullgraph=True)(x, w).sum().backward()
+    torch._dynamo.reset()
+    names = [str(n.target) for n in graphs["bw"].graph.nodes if n.op == "call_function"]
+    return [n for n in names if n in ("flex_attention", "flex_attention_backward", "aten.mm.default")]
+
+
+def test_selective_op_saves_flex_attention_output(monkeypatch):
+    """Packed documents on CUDA attend through FlexAttention: under selective_op its output is saved like SDPA's
+    (the policy says MUST_SAVE for the higher-order op), so a compiled block's backward runs only the flex backward,
+    no second flex forward; without the op in the list the same block recomputes it (the check can fail)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from kempnerforge.parallel.activation_checkpoint import SAVED_OPS, _save_matmul_attention_topk
+
+    flex = torch.ops.higher_order.flex_attention
+    assert _save_matmul_attention_topk(None, flex) == CheckpointPolicy.MUST_SAVE
+    assert _save_matmul_attention_topk(None, torch.ops.aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    # x @ w's two gradient matmuls (dx, dw); the forward x @ w is saved, not re-run.
+    assert recomputed_in_backward(monkeypatch, SAVED_OPS) == ["flex_attention_backward", *["aten.mm.default"] * 2]
+    assert recomputed_in_backward(monkeypatch, SAVED_OPS - {flex})[0] == "flex_attention"
+
+
 def test_unknown_block_type_raises_instead_of_skipping():
     model = _model()
     model.layers["2"] = nn.Linear(32, 32)

@@ -97,6 +97,61 @@ def test_bf16_inputs_match_the_module_path_at_bf16_rounding():
     torch.testing.assert_close(w.grad, gw, rtol=1.6e-2, atol=1e-2 * gw.abs().max().item())
 
 
+def _bf16_head_inputs(tokens: int, dim: int, vocab: int):
+    torch.manual_seed(0)
+    h = torch.randn(tokens, dim).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(vocab, dim) * 0.3).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, vocab, (tokens,))
+    y[:3] = IGNORE_INDEX
+    return h, w, y
+
+
+def test_bf16_head_gradient_is_summed_in_fp32_and_rounded_once():
+    """The head's bf16 gradient is the fp32 sum over chunks (1-token chunks: 61 of them) of the bf16 logit gradient
+    times the bf16 hidden states, rounded to bf16 once: within one bf16 rounding (2^-8 relative) plus the fp32 sum's
+    own error (61 adds: 61 * 2^-24 of the sum of |products|) of the fp64 sum. vocab x dim odd (257 x 33): the
+    in-place cast's odd element count; the first half of the rows and the second go through different buffers."""
+    h, w, y = _bf16_head_inputs(61, 33, 257)
+    out, _ = chunked_linear_cross_entropy_sum(h, w, y, 1)
+    out.backward()
+    logits = (h @ w.t()).float()  # bf16 logits, as the module and the chunked path round them
+    ok = (y != IGNORE_INDEX).float()[:, None]
+    g = (torch.softmax(logits, -1) - F.one_hot(y.clamp(min=0), 257)) * ok
+    g = g.to(torch.bfloat16).double()  # the logits' gradient as the bf16 head sees it
+    ref = g.t() @ h.double()
+    sum_error = 61 * 2**-24 * (g.abs().t() @ h.double().abs())
+    assert w.grad.dtype == torch.bfloat16 and w.grad.is_contiguous()
+    assert ((w.grad.double() - ref).abs() <= 2**-8 * ref.abs() + sum_error).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_peak_memory_is_the_stated_bound(dtype):
+    """Memory of one forward (torch's MemTracker on real CPU tensors) within the module docstring's bound: the
+    (chunk, vocab) fp32 block and two (chunk, vocab) blocks of the inputs' dtype, the hidden states' gradient, the
+    (chunk, dim) fp32 copy of a chunk's hidden states, and 4 bytes per head element for the fp32 sum. After the
+    forward only the two gradients are held, each in its own dtype (bf16: 2 bytes per head element). Before the
+    in-place sum (a bf16 (vocab, dim) partial per chunk and a cast copy at the end) bf16 peaked at 8 bytes per head
+    element plus the chunk's blocks: 8.8 MB against this bound's 4.8 MB."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tokens, dim, vocab, chunk = 64, 256, 4096, 16
+    h = torch.randn(tokens, dim).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, dim) * 0.02).to(dtype).requires_grad_()
+    y = torch.randint(0, vocab, (tokens,))
+    size = h.element_size()
+    tracker = MemTracker()
+    tracker.track_external(h, w, y)
+    cpu = torch.device("cpu")
+    with tracker:
+        base = tracker.get_tracker_snapshot()[cpu]["Total"]
+        out, _ = chunked_linear_cross_entropy_sum(h, w, y, chunk)
+        held = tracker.get_tracker_snapshot()[cpu]["Total"] - base
+        rise = tracker.get_tracker_snapshot("peak")[cpu]["Total"] - base
+    bound = chunk * vocab * (4 + 2 * size) + tokens * dim * size + chunk * dim * 4 + 4 * vocab * dim
+    assert rise <= bound, (rise, bound)
+    assert vocab * dim * size + tokens * dim * size <= held <= vocab * dim * size + tokens * dim * size + 64
+
+
 def test_autocast_keeps_the_fused_loss_exact():
     """Under bf16 autocast the fused path still computes fp32 logits from fp32 inputs (autocast is off inside it):
     equal to F.cross_entropy of the fp32 logits, value and gradients, to 1e-6."""

@@ -146,6 +146,20 @@ def test_flops_and_collectives_match_their_formulas():
     assert tp.roles[0].flops == pytest.approx(role.flops / 2 + odd_row, rel=1e-9)
 
 
+def test_z_loss_at_tp2_reduces_the_vocab_shards_instead_of_gathering_the_logits():
+    """z-loss at tp=2 (loss parallel, bf16 logits): no ``all_gather[tp]`` (before: the full fp32 logits, 128 tokens x
+    50,257 x 4 B = 25.7 MB, and a 32 MB higher peak), two all-reduces of one fp32 per token (row max, sum of exp),
+    and a peak higher only by the local bf16 logits shard its backward keeps (128 x 25,129 x 2 B)."""
+    args = ["--config", DEBUG, *SHORT, "--trainer.strategy.init_args.tp=2"]
+    plain = estimate(args, 1, 2, alternatives=False).roles[0]
+    z = estimate([*args, "--model.z_loss_weight=1e-4"], 1, 2, alternatives=False).roles[0]
+    tokens, shard_rows = 2 * 64, (50257 + 1) // 2
+    assert z.comm.get("all_gather[tp]", 0) == plain.comm.get("all_gather[tp]", 0) == 0
+    assert z.comm["all_reduce[tp]"] - plain.comm["all_reduce[tp]"] == 2 * tokens * 4
+    assert z.comm_calls["all_reduce[tp]"] - plain.comm_calls["all_reduce[tp]"] == 2
+    assert 0 < z.peak_bytes - plain.peak_bytes <= tokens * shard_rows * 2
+
+
 def test_moe_capacity_runs_on_fake_tensors_without_fallback():
     """moe_debug's capacity dropping keeps fixed shapes (masked rows, no boolean indexing): nothing falls back."""
     est = estimate(["--config", str(REPO / "configs" / "moe_debug.yaml"), *SHORT], 1, 1, alternatives=False)
@@ -346,5 +360,7 @@ def test_pipeline_with_tied_embeddings_counts_the_embedding_gradient_all_reduce(
     embedding_grad = 50257 * 128 * 4
     for with_tie, without in zip(tied.roles, untied.roles, strict=True):
         # within 1 kB: the gradient norm's scalars differ with the tied copy left out of it (norm_skip)
-        assert with_tie.comm["all_reduce[pp]"] - without.comm["all_reduce[pp]"] == pytest.approx(embedding_grad, abs=1024)
+        assert with_tie.comm["all_reduce[pp]"] - without.comm["all_reduce[pp]"] == pytest.approx(
+            embedding_grad, abs=1024
+        )
         assert without.comm["all_reduce[pp]"] < 1024
