@@ -95,6 +95,8 @@ class SimulatedSchedule:
             real = build_schedule(runner.schedule_name, stages, runner.microbatches, runner._loss_fn)
             self.actions = real.pipeline_order[runner.pp_mesh.get_local_rank()]
         self._callers = {s: _StageCall(stage.submod) for s, stage in self.stages.items()}
+        # A steady-state step: no metadata-inference forward, which the MoE aux bookkeeping would otherwise expect.
+        runner._shape_inference = False
 
     def _count(self, nbytes: int) -> None:
         if self.counter is not None:
