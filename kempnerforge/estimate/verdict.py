@@ -1,27 +1,32 @@
 """Fits or does not fit, and which change makes it fit: every suggestion estimated again as printed.
 
 A rank needs its tracked peak plus the allowance (:mod:`kempnerforge.estimate.allowance`: CUDA context, NCCL
-buffers of the communicators its mesh creates, kernel workspaces, fragmentation); the worst role decides.
+buffers of the communicators its mesh creates, kernel workspaces, fragmentation); the neediest role decides.
 
 When it does not fit, candidate changes are simulated again with the exact command-line change the report
-prints (``kforge fit`` overrides, and ``--num_nodes / --devices_per_node`` for a cluster-size change), every role
-of the changed run, after the same layout checks ``kforge fit`` runs before any process starts
-(:meth:`KempnerStrategy.check_layout` through ``setup_environment``, the data against the model): a change
-``kforge fit`` would refuse is dropped, never printed. One knob at a time, each a sequence of sizes tried in
-order until one fits (the first that fits is printed; if none does, the lowest peak tried):
+prints (``kforge fit`` overrides, and ``--num_nodes / --devices_per_node`` for a cluster-size change): every role
+of the changed run, after the same layout checks ``kforge fit``'s preflight runs before any process starts
+(:meth:`KempnerStrategy.check_layout` through ``setup_environment``, then the data against the model). A change
+``kforge fit`` would refuse is dropped, never printed, and so are the larger sizes of its knob. Each printed
+suggestion carries its simulated peak and its own allowance (a new layout has other communicators). One knob at a
+time (:data:`KNOBS`), each a sequence of sizes tried in order; the first that fits is printed, else the one that
+needs the least:
 
 - ``activation_checkpointing``: ``selective_op`` (from ``none`` / ``selective``), then ``full``;
-- ``micro_batch_size``: halved, again and again down to 1 (tokens per step shrink with it);
+- ``micro_batch_size``: halved, again down to 1 (tokens per step shrink with it);
 - ``loss_impl``: ``chunked`` when the run computes full logits (tp = 1, no pipeline: the fused head + loss);
-- more GPUs (knob ``gpus``): the world doubled, filling one node up to 8 GPUs first, more nodes after; the extra
-  ranks join ``dp_shard`` (states / k; a pinned ``dp_shard`` is raised with them). The search starts at the
-  smallest multiple whose reasoned peak fits (the states divided, the rest as it is) and doubles up to x64;
-- ``tp``, ``pp``, ``cp``: doubled (then quadrupled) at the same world size, the ranks taken from ``dp_shard``
-  (halved, printed when the recipe pins it); ``tp`` with sequence parallelism, inside one node.
+- ``tp``, ``pp``, ``cp``: x2 then x4 at the same world size, the ranks taken from ``dp_shard`` (halved; printed when
+  the recipe pins it); ``tp`` with sequence parallelism, inside one node;
+- ``gpus``: the world x2, x4, ... x64 (:data:`MAX_GPU_FACTOR`), filling one node up to 8 GPUs first, more nodes
+  after; the new ranks join ``dp_shard`` (a pinned one is raised with them). At most :data:`MAX_GPU_TRIES` sizes
+  are simulated.
 
-Knobs at the same world size cannot divide the parameter, gradient and optimizer-state bytes (sharded over
-``dp_shard x tp`` or per stage over the same number of ranks either way): when those alone plus the allowance
-exceed the GPU, they are not tried.
+A size is simulated only if its floor, plus the allowance of its layout (its communicators are known without a
+step: :func:`~kempnerforge.estimate.allowance.layout_communicators`), fits. The floor at the same world size is
+the parameter, gradient and optimizer-state bytes, which no such knob divides (sharded over ``dp_shard x tp x
+cp``, or per stage over as many ranks, either way); for more GPUs it is the peak reasoned from the breakdown (the
+states divided by the factor, the rest as it is, or the activations' peak if larger: the peak can move from the
+optimizer step into the backward).
 """
 
 from __future__ import annotations
