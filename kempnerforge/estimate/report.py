@@ -80,15 +80,16 @@ class RoleEstimate:
 
 @dataclass
 class Suggestion:
-    """A change that lowers the peak, estimated again as printed (every role of the changed run simulated).
+    """A change that could make it fit, estimated again as printed (every role of the changed run simulated).
 
     Attributes:
         knob: what changes (``activation_checkpointing``, ``micro_batch_size``, ``loss_impl``, ``gpus``, ``tp``,
             ``pp``, ``cp``).
         change: the command-line change, as given to ``kforge estimate`` (and, but for ``--num_nodes /
             --devices_per_node``, to ``kforge fit``): fit overrides and the cluster size when it changes.
-        peak_bytes: the changed run's peak per rank (its worst role), simulated.
-        needed_bytes: that peak plus the changed run's allowance (its own communicators).
+        peak_bytes: the changed run's peak per rank (the highest of its roles), simulated.
+        needed_bytes: what the changed run's neediest role needs: its peak plus its allowance (the changed
+            layout's own communicators).
         fits: ``needed_bytes`` <= the GPU's memory.
         flops_per_token: the changed run's executed FLOPs per token of its global batch (:func:`flops_per_token`).
         effect: what else changes (degrees, tokens per step, recomputation).
@@ -117,8 +118,8 @@ class Verdict:
             (:mod:`kempnerforge.estimate.allowance`: CUDA context, NCCL buffers, kernel workspaces, fragmentation).
         headroom_bytes: GPU memory minus ``needed_bytes`` (negative when it does not fit).
         worst_role: the neediest role.
-        suggestions: for a configuration that does not fit, one change per knob that applies, fitting ones first,
-            then by peak (each estimated again).
+        suggestions: for a configuration that does not fit, at most one change per knob, fitting ones first, then
+            by ``needed_bytes`` (each estimated again).
         summary: one line.
         allowance: the neediest role's allowance by term (``cuda_context``, ``nccl``, ``workspaces``,
             ``fragmentation``; bytes).

@@ -158,18 +158,17 @@ def _search(
         changed = rerun(candidate)
         if changed is None:
             break
-        flops = flops_per_token(changed)
+        flops, need = flops_per_token(changed), role_needed(allowance, _neediest(allowance, changed.roles))
         found = Suggestion(
             knob=candidate.knob,
             change=candidate.change(est),
             peak_bytes=max(r.peak_bytes for r in changed.roles),
-            needed_bytes=role_needed(allowance, _neediest(allowance, changed.roles)),
-            fits=False,
+            needed_bytes=need,
+            fits=need <= est.gpu_memory_bytes,
             flops_per_token=flops,
             effect=candidate.effect,
             flops_change=flops / now - 1 if now else 0.0,
         )
-        found.fits = found.needed_bytes <= est.gpu_memory_bytes
         if best is None or found.needed_bytes < best.needed_bytes:
             best = found
         if found.fits:

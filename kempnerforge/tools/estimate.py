@@ -3,11 +3,16 @@
     kforge estimate --config configs/llama3_70b.yaml --num_nodes 8 --devices_per_node 8
     kforge estimate --config configs/llama3_8b.yaml --num_nodes 1 --devices_per_node 8 --json est.json \\
         --trainer.strategy.init_args.activation_checkpointing=none
+    kforge estimate --config configs/llama3_8b.yaml --num_nodes 1 --devices_per_node 1 --gpu h200 \\
+        --suggest gpus,activation_checkpointing --allowance.fragmentation 0.15
 
-Every argument that is not one of the estimate's own is a ``kforge fit`` argument (``--config`` and
-overrides), parsed by the same CLI. The report goes to stdout, progress lines to stderr. Exit status: 0 it
-fits, 3 it does not fit, 2 bad input (one ``kforge: error: ...`` line, before anything is built), 1 a step the
-simulation cannot run (one line naming the code).
+Every argument that is not one of the estimate's own (``--num_nodes``, ``--devices_per_node``, ``--gpu``,
+``--gpu_memory_gb``, ``--json``, ``--no_alternatives``, ``--suggest``, ``--allowance.*``) is a ``kforge fit``
+argument (``--config`` and overrides), parsed by the same CLI. The verdict and its suggestions:
+:mod:`kempnerforge.estimate.verdict`; the allowance model: :mod:`kempnerforge.estimate.allowance`. The report
+goes to stdout, progress lines to stderr. Exit status: 0 it fits, 3 it does not fit, 2 bad input (one
+``kforge: error: ...`` line, before anything is built), 1 a step the simulation cannot run (one line naming the
+code).
 """
 
 from __future__ import annotations
@@ -15,13 +20,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-from kempnerforge.estimate.allowance import GPU_KINDS
+# Neither imports torch: --help and the argument checks answer at once.
+from kempnerforge.estimate.allowance import GPU_KINDS, Allowance
 from kempnerforge.estimate.verdict import KNOBS
-
-if TYPE_CHECKING:
-    from kempnerforge.estimate.allowance import Allowance
 
 #: Exit status when the configuration does not fit.
 DOES_NOT_FIT = 3
@@ -123,7 +126,6 @@ def _knobs(args: argparse.Namespace) -> list[str] | None:
 
 def allowance_of(args: argparse.Namespace) -> Allowance:
     """The allowance model of ``--gpu`` with the ``--allowance.*`` overrides (GB / MB to bytes)."""
-    from kempnerforge.estimate.allowance import Allowance
 
     def scaled(value: float | None, unit: float) -> int | None:
         return None if value is None else int(value * unit)
