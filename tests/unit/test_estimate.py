@@ -117,10 +117,12 @@ def test_cli_report_json_and_a_clean_process_afterwards(tmp_path):
         dist.destroy_process_group()
 
 
-#: The cluster-recipe shape of 7b_pp (pp=2 x pinned dp_shard=2, interleaved 1F1B, full AC) at the debug width.
-SMALL_7B_PP = ["--model.config.dim=128", "--model.config.n_layers=4", "--model.config.n_heads=4",
+#: The cluster recipe 7b_pp (pp=2 x pinned dp_shard=2, full AC) at the debug width, 1F1B over 2 blocks.
+SMALL_7B_PP = ["--model.config.dim=128", "--model.config.n_heads=4",
                "--model.config.multiple_of=64", "--model.config.max_seq_len=64", "--data.seq_len=64",
-               "--data.micro_batch_size=2", "--trainer.strategy.init_args.pp_microbatches=2"]  # fmt: skip
+               "--data.micro_batch_size=2", "--trainer.strategy.init_args.pp_microbatches=2",
+               "--trainer.strategy.init_args.pp_virtual_stages=1", "--trainer.strategy.init_args.pp_schedule=1f1b",
+               "--model.config.n_layers=2"]  # fmt: skip
 #: Issue 27 check 2: recipe arguments, cluster, GPU memory (GB) below what the recipe needs, the knobs asked for,
 #: the knobs the verdict prints, and whether one of them fits.
 ADVICE = {
@@ -136,7 +138,8 @@ ADVICE = {
                              {"micro_batch_size"}, True),
     "cp_debug-cp": ([str(REPO / "configs" / "cp_debug.yaml"), *SHORT, "--model.config.n_layers=2"], 1, 4, 1.98, "cp",
                     {"cp"}, True),
-    "moe-pp": ([str(REPO / "configs" / "moe_debug.yaml"), *SHORT], 1, 2, 1.12, "pp", {"pp"}, False),
+    "moe-pp": ([str(REPO / "configs" / "moe_debug.yaml"), *SHORT, "--model.config.n_layers=2"], 1, 2, 1.12, "pp",
+               {"pp"}, False),
     "dense-ac-loss": ([DEBUG, "--data.seq_len=256", "--data.micro_batch_size=4", "--model.config.n_layers=2",
                        "--model.loss_impl=torch", "--trainer.strategy.init_args.activation_checkpointing=selective_op"],
                       1, 1, 1.0, "activation_checkpointing,loss_impl",
