@@ -4,9 +4,23 @@
 KempnerStrategy) on a fake process group of ``num_nodes x devices`` ranks with fake tensors, runs one step
 through the module's own loss path and reports per-rank memory, FLOPs, collective bytes and a verdict.
 See :mod:`kempnerforge.estimate.run`.
+
+Names are imported on first use, so ``kforge estimate --help`` (and its argument checks) do not import torch.
 """
 
-from kempnerforge.estimate.report import Estimate, RoleEstimate, Suggestion, Verdict, format_text
-from kempnerforge.estimate.run import estimate, simulate_rank
+from kempnerforge.lazy_exports import lazy_exports
 
-__all__ = ["Estimate", "RoleEstimate", "Suggestion", "Verdict", "estimate", "format_text", "simulate_rank"]
+_EXPORTS = {
+    "Allowance": "allowance",
+    "Estimate": "report",
+    "RoleEstimate": "report",
+    "Suggestion": "report",
+    "Verdict": "report",
+    "format_text": "report",
+    "estimate": "run",
+    "simulate_rank": "run",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -122,10 +122,9 @@ def substitutions(strategy: Any, datamodule: Any) -> list[str]:
     return notes
 
 
-def _touch_meshes(strategy: Any) -> None:
-    """Create every sub-mesh (flattened ``dp``, expert meshes) now: DeviceMesh slicing cannot run under
-    ``FakeTensorMode`` (as in torchtitan's estimator)."""
-    mesh = strategy.parallel_mesh
+def touch_meshes(mesh: Any) -> None:
+    """Create every sub-mesh of ``mesh`` (a :class:`~kempnerforge.parallel.mesh.ParallelMesh`: flattened ``dp``,
+    expert meshes) now: DeviceMesh slicing cannot run under ``FakeTensorMode`` (as in torchtitan's estimator)."""
     _ = mesh.dp, mesh.dp_cp, mesh.cp, mesh.fsdp, mesh.tp, mesh.pp
     if mesh.dims.ep > 1:
         _ = mesh.ep, mesh.expert_fsdp
@@ -145,7 +144,7 @@ def parallelize(build: RankBuild) -> None:
     if strategy.compile:
         strategy.compile = False
         build.notes.append("compile=true is skipped in the simulation (eager memory and FLOPs are reported).")
-    _touch_meshes(strategy)
+    touch_meshes(strategy.parallel_mesh)
     strategy.parallelize(build.model)
     pipeline = strategy.pipeline
     build.roots = list(pipeline.stage_modules) if pipeline is not None else [build.model]

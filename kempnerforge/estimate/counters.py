@@ -177,30 +177,43 @@ class StepCounter(TorchDispatchMode):
         self.calls[(kind, axis)] += 1
 
 
-def axis_of_group(parallel_mesh: Any) -> dict[str, str]:
-    """Process-group name -> mesh-axis label for every group a :class:`~kempnerforge.parallel.mesh.ParallelMesh`
-    hands out (the 1-D axes, the flattened ``dp`` group, and the expert meshes when ``ep > 1``)."""
-    names: dict[str, str] = {}
+def mesh_groups(parallel_mesh: Any) -> dict[str, tuple[str, Any]]:
+    """Process-group name -> (mesh-axis label, group) for every group a
+    :class:`~kempnerforge.parallel.mesh.ParallelMesh` hands out (the 1-D axes of more than one rank, the flattened
+    ``dp`` group, the ``cp`` and expert meshes' groups) and the world group. A group serving two roles keeps the
+    first label."""
+    groups: dict[str, tuple[str, Any]] = {}
+
+    def add(group: Any, label: str) -> None:
+        groups.setdefault(group.group_name, (label, group))
+
     world = parallel_mesh.world
     for axis in world.mesh_dim_names:
         if world[axis].size() > 1:
-            names[world.get_group(axis).group_name] = axis
+            group = world.get_group(axis)
+            groups[group.group_name] = (axis, group)
     dims = parallel_mesh.dims
     if dims.dp > 1:
-        names.setdefault(parallel_mesh.dp.get_group().group_name, "dp")
+        add(parallel_mesh.dp.get_group(), "dp")
     if dims.cp > 1:  # FSDP2 shards over dp_shard x cp; the loss counts tokens over dp x cp
         fsdp = parallel_mesh.fsdp
-        names[fsdp.get_group(fsdp.ndim - 1).group_name] = "dp_shard_cp"
-        names.setdefault(parallel_mesh.dp_cp.get_group().group_name, "dp_cp")
+        group = fsdp.get_group(fsdp.ndim - 1)
+        groups[group.group_name] = ("dp_shard_cp", group)
+        add(parallel_mesh.dp_cp.get_group(), "dp_cp")
     if dims.ep > 1:
-        names[parallel_mesh.ep.get_group().group_name] = "ep"
+        group = parallel_mesh.ep.get_group()
+        groups[group.group_name] = ("ep", group)
         expert_fsdp = parallel_mesh.expert_fsdp  # (dp_replicate, dp_shard_mod_ep) with HSDP, else 1-D
         for i, axis in enumerate(expert_fsdp.mesh_dim_names):
             if expert_fsdp.size(i) > 1:
                 lent = "dp_shard" if dims.cp == 1 else "dp_shard_cp"  # the axis ep borrows from
-                label = f"{lent}/ep" if axis == "dp_shard_mod_ep" else axis
-                names.setdefault(expert_fsdp.get_group(i).group_name, label)
+                add(expert_fsdp.get_group(i), f"{lent}/ep" if axis == "dp_shard_mod_ep" else axis)
         if parallel_mesh.expert_shard is not None:  # EP + HSDP: experts' norms reduce over it
-            names.setdefault(parallel_mesh.expert_shard.get_group().group_name, "dp_shard")
-    names.setdefault(dist.group.WORLD.group_name, "world")
-    return names
+            add(parallel_mesh.expert_shard.get_group(), "dp_shard")
+    add(dist.group.WORLD, "world")
+    return groups
+
+
+def axis_of_group(parallel_mesh: Any) -> dict[str, str]:
+    """Process-group name -> mesh-axis label for every group of :func:`mesh_groups`."""
+    return {name: label for name, (label, _) in mesh_groups(parallel_mesh).items()}

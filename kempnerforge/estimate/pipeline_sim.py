@@ -98,6 +98,8 @@ class SimulatedSchedule:
         self._callers = {s: _StageCall(stage.submod) for s, stage in self.stages.items()}
         #: Called as ``mark(label, phase)`` before each action (the memory tracker's timeline marks).
         self.mark: Callable[[str, str], None] = lambda label, phase: None
+        # A steady-state step: no metadata-inference forward, which the MoE aux bookkeeping would otherwise expect.
+        runner._shape_inference = False
 
     def _count(self, nbytes: int) -> None:
         if self.counter is not None:

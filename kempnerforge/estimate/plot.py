@@ -3,8 +3,8 @@
 Left panel of a row: the role's :attr:`~kempnerforge.estimate.report.RoleEstimate.timeline` (tracked bytes at
 every FSDP unit hook, phase mark and high point between them), stacked by :data:`GROUPS`, with the step's phases
 (forward, backward, optimizer) shaded, the peak marked, and the GPU's memory and ``capacity - allowance`` (the
-most the tracked bytes may reach and still fit: :func:`kempnerforge.estimate.verdict.needed`) as horizontal
-lines. Right panel: the module groups ranked by the most memory held while one of them ran
+most the tracked bytes may reach and still fit: the role's allowance, :mod:`kempnerforge.estimate.allowance`) as
+horizontal lines. Right panel: the module groups ranked by the most memory held while one of them ran
 (:func:`~kempnerforge.estimate.report.module_peaks`), stacked the same way. Units: GB = 1e9 bytes, as the report.
 
 A ``.png`` is drawn by matplotlib's Agg renderer; an ``.html`` page holds the same figure as inline SVG (text as
@@ -81,10 +81,11 @@ def series(role: RoleEstimate) -> dict[str, Any]:
     }
 
 
-def _allowance(peak: int) -> int:
-    from kempnerforge.estimate.verdict import needed
+def allowance_of(est: Estimate, role: RoleEstimate) -> int:
+    """The allowance of ``role`` under the estimate's model (bytes): what the verdict adds to its tracked peak."""
+    from kempnerforge.estimate.allowance import Allowance
 
-    return needed(peak) - peak
+    return Allowance(**est.allowance).needed(role.peak_bytes, role.communicators) - role.peak_bytes
 
 
 def _phase_runs(phases: list[str]) -> list[tuple[str, int, int]]:
@@ -137,13 +138,13 @@ def _capacity_lines(ax: Any, peak: int, allowance: int, capacity: int) -> float:
     return peak * 1.3 / 1e9
 
 
-def _timeline_panel(ax: Any, role: RoleEstimate, data: dict[str, Any], capacity: int) -> None:
+def _timeline_panel(ax: Any, role: RoleEstimate, data: dict[str, Any], capacity: int, allowance: int) -> None:
     n = len(data["labels"])
     groups = [g for g in data["stack"] if any(data["stack"][g]) or g != OTHER]
     stack = [[v / 1e9 for v in data["stack"][g]] for g in groups]
     ax.stackplot(range(n), *stack, labels=groups, colors=[COLORS[g] for g in groups], linewidth=0)
     _shade_phases(ax, data["phases"])
-    peak, allowance = role.peak_bytes, _allowance(role.peak_bytes)
+    peak = role.peak_bytes
     at = max(range(n), key=lambda i: data["total"][i]) if n else 0
     ax.plot([at], [peak / 1e9], marker="v", color="black", ms=6, ls="none")
     phase = data["phases"][at] if n else "-"
@@ -202,7 +203,7 @@ def draw(est: Estimate, recipe: str | None = None) -> Any:
     axes = fig.subplots(rows, 2, width_ratios=(2.6, 1), squeeze=False)
     for role, (left, right) in zip(est.roles, axes, strict=True):
         data = series(role)
-        _timeline_panel(left, role, data, est.gpu_memory_bytes)
+        _timeline_panel(left, role, data, est.gpu_memory_bytes, allowance_of(est, role))
         _module_panel(right, data)
     handles, labels = axes[0][0].get_legend_handles_labels()
     for phase in ("backward", "optimizer"):  # the shading's key: an interleaved schedule labels few of its runs

@@ -11,6 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kempnerforge.estimate.allowance import Communicator, mesh_communicators
+
 #: Tracker states used to measure what a module keeps after its forward.
 BEFORE_FORWARD = ("Before Pre-Forward", "Pre-Forward")
 AFTER_FORWARD = ("After Post-Forward", "Post-Forward")
@@ -53,6 +55,8 @@ class RoleEstimate:
         tokens: tokens of this rank's data shard per step (micro_batch_size x seq_len).
         fallbacks: modules counted analytically (``{"module", "reason", "calls", "flops", "activation_bytes"}``).
         step_seconds: time the simulated step took here.
+        communicators: the NCCL communicators (process groups of more than one rank) the mesh created on this
+            rank, for the allowance.
         memory: the tracker summary (peak, per-module snapshots), for programmatic checks; not printed.
         timeline: memory over the step, one event per FSDP unit hook (each module's without FSDP2), phase mark and
             highest point between two of them: ``{"phase": "forward" | "backward" | "optimizer", "label",
@@ -77,30 +81,39 @@ class RoleEstimate:
     tokens: int
     fallbacks: list[dict[str, Any]]
     step_seconds: float
+    communicators: list[Communicator] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict, repr=False)
     timeline: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
 
 @dataclass
 class Suggestion:
-    """A change that lowers the peak, with its predicted peak.
+    """A change that could make it fit, estimated again as printed (every role of the changed run simulated).
 
     Attributes:
-        knob: what changes (``activation_checkpointing``, ``dp_shard``, ``tp``, ``micro_batch_size``, ...).
-        change: the command-line change (fit overrides, or ``--num_nodes / --devices_per_node``).
-        peak_bytes: the predicted peak per rank after the change.
-        how: ``"estimated"`` (simulated again with the change) or ``"reasoned"`` (scaled from the breakdown).
-        fits: whether the predicted peak fits.
-        flops_per_token: the worst role's executed FLOPs per token after the change (estimated suggestions;
-            None when reasoned): the compute cost of the change (e.g. recomputation).
+        knob: what changes (``activation_checkpointing``, ``micro_batch_size``, ``loss_impl``, ``gpus``, ``tp``,
+            ``pp``, ``cp``).
+        change: the command-line change, as given to ``kforge estimate`` (and, but for ``--num_nodes /
+            --devices_per_node``, to ``kforge fit``): fit overrides and the cluster size when it changes.
+        peak_bytes: the changed run's peak per rank (the highest of its roles), simulated.
+        needed_bytes: what the changed run's neediest role needs: its peak plus its allowance (the changed
+            layout's own communicators).
+        fits: ``needed_bytes`` <= the GPU's memory.
+        flops_per_token: the changed run's executed FLOPs per token of its global batch (:func:`flops_per_token`).
+        effect: what else changes (degrees, tokens per step, recomputation).
+        flops_change: FLOPs per token relative to the run as configured (0.24: 24% more).
+        how: always ``"estimated"``: no suggestion is printed without its own simulated step.
     """
 
     knob: str
     change: str
     peak_bytes: int
-    how: str
+    needed_bytes: int
     fits: bool
-    flops_per_token: float | None = None
+    flops_per_token: float
+    effect: str = ""
+    flops_change: float = 0.0
+    how: str = "estimated"
 
 
 @dataclass
@@ -109,13 +122,15 @@ class Verdict:
 
     Attributes:
         fits: every role's ``needed_bytes`` <= the GPU's memory.
-        needed_bytes: the worst role's peak plus the allowance for what the tracker does not see
-            (CUDA context, NCCL buffers, allocator fragmentation: :data:`kempnerforge.estimate.verdict.RESERVED_BYTES`
-            plus :data:`~kempnerforge.estimate.verdict.FRAGMENTATION` of the peak).
+        needed_bytes: the neediest role's peak plus its allowance for what the tracker does not see
+            (:mod:`kempnerforge.estimate.allowance`: CUDA context, NCCL buffers, kernel workspaces, fragmentation).
         headroom_bytes: GPU memory minus ``needed_bytes`` (negative when it does not fit).
-        worst_role: the role with the highest peak.
-        suggestions: for a configuration that does not fit, the knobs that help, most helpful first.
+        worst_role: the neediest role.
+        suggestions: for a configuration that does not fit, at most one change per knob, fitting ones first, then
+            by ``needed_bytes`` (each estimated again).
         summary: one line.
+        allowance: the neediest role's allowance by term (``cuda_context``, ``nccl``, ``workspaces``,
+            ``fragmentation``; bytes).
     """
 
     fits: bool
@@ -124,11 +139,12 @@ class Verdict:
     worst_role: str
     suggestions: list[Suggestion]
     summary: str
+    allowance: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class Estimate:
-    """The whole estimate of one recipe on one simulated cluster."""
+    """The whole estimate of one recipe on one simulated cluster (see :func:`kempnerforge.estimate.estimate`)."""
 
     num_nodes: int
     devices_per_node: int
@@ -139,6 +155,8 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     verdict: Verdict | None = None
     seconds: float = 0.0
+    #: The allowance model's parameters (:class:`~kempnerforge.estimate.allowance.Allowance`), GPU kind included.
+    allowance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serializable dict with everything the text report shows (and the per-module snapshots)."""
@@ -258,9 +276,18 @@ def role_estimate(build: Any, rank: int, result: Any) -> RoleEstimate:
         tokens=result.tokens,
         fallbacks=[asdict(f) for f in result.fallbacks],
         step_seconds=round(result.seconds, 2),
+        communicators=mesh_communicators(build.strategy.parallel_mesh),
         memory=memory,
         timeline=list(memory.get("timeline", [])),
     )
+
+
+def flops_per_token(est: Estimate) -> float:
+    """FLOPs the whole cluster executes per token of the step's global batch: each role stands for
+    ``world / pp`` ranks and the step holds ``dp`` data shards of ``tokens`` each, so it is the roles' FLOPs
+    times ``tp x cp`` over a data shard's tokens (layouts compare on it; recomputation raises it)."""
+    tokens = max(est.roles[0].tokens, 1)
+    return sum(r.flops for r in est.roles) * est.degrees["tp"] * est.degrees["cp"] / tokens
 
 
 def gb(n: float) -> str:
@@ -295,14 +322,33 @@ def format_text(est: Estimate) -> str:
         lines.append(f"note: {note}")
     if est.verdict is not None:
         lines.append(est.verdict.summary)
-        worst = max(est.roles, key=lambda r: r.peak_bytes)
+        lines.append(_format_allowance(est))
         for s in est.verdict.suggestions:
             fits = "fits" if s.fits else "still too big"
-            now = worst.flops / max(worst.tokens, 1)
-            cost = f", {100 * (s.flops_per_token / now - 1):+.0f}% FLOPs per token" if s.flops_per_token and now else ""
-            lines.append(f"  - {s.knob}: {s.change} -> peak {gb(s.peak_bytes)} per rank ({s.how}{cost}; {fits})")
+            cost = f"; {100 * s.flops_change:+.0f}% FLOPs per token" if round(100 * s.flops_change) else ""
+            lines.append(
+                f"  - {s.knob}: {s.change} -> peak {gb(s.peak_bytes)}, needs {gb(s.needed_bytes)} per rank "
+                f"({s.how}{cost}; {fits}): {s.effect}"
+            )
     lines.append(f"(simulated in {est.seconds:.0f} s)")
     return "\n".join(lines)
+
+
+def _format_allowance(est: Estimate) -> str:
+    """The neediest role's allowance, term by term, with the model's parameters."""
+    terms, model = est.verdict.allowance, est.allowance
+    role = next(r for r in est.roles if r.role == est.verdict.worst_role)
+    groups = ", ".join(f"{c.axis} {c.ranks}" for c in role.communicators)
+    count = len(role.communicators)
+    nccl = (
+        f"NCCL {gb(terms['nccl'])} ({count} communicator{'s' * (count != 1)}{': ' + groups if groups else ''}; "
+        f"{model['nccl_channels']} channels x {gb(model['nccl_connection_bytes'])} per connection)"
+    )
+    return (
+        f"  allowance: CUDA context {gb(terms['cuda_context'])} ({model['gpu']}) + {nccl} + kernel workspaces "
+        f"{gb(terms['workspaces'])} + fragmentation {100 * model['fragmentation']:g}% of the peak "
+        f"{gb(terms['fragmentation'])}"
+    )
 
 
 def _format_role(role: RoleEstimate) -> list[str]:

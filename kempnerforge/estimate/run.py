@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 
 from kempnerforge.cli import uses_class_paths
+from kempnerforge.estimate.allowance import GPU_KINDS, Allowance
 from kempnerforge.estimate.build import RankBuild, materialize_fake, open_rank, parallelize, warm_optimizer
 from kempnerforge.estimate.cluster import fake_world
-from kempnerforge.estimate.report import Estimate, RoleEstimate, role_estimate
+from kempnerforge.estimate.fake_ops import FakeTensorLimitError
+from kempnerforge.estimate.report import Estimate, RoleEstimate, gb, role_estimate
 from kempnerforge.estimate.step import run_step
 
 
@@ -121,13 +123,35 @@ def simulate_rank(
         return build, role_estimate(build, rank, result)
 
 
+def simulate_roles(
+    fit_args: list[str],
+    num_nodes: int,
+    devices: int,
+    progress: Callable[[str], None] = _quiet,
+    announce: str | None = None,
+) -> tuple[RankBuild, list[RoleEstimate]]:
+    """Every distinct role of ``kforge fit *fit_args`` on ``num_nodes x devices`` ranks: rank 0's build and the
+    roles' estimates (rank 0 first).
+
+    Raises:
+        EstimateConfigError: as :func:`simulate_rank`.
+    """
+    build, first = simulate_rank(fit_args, num_nodes, devices, 0, progress, announce)
+    results = [first]
+    for rank in roles(build)[1:]:
+        results.append(simulate_rank(fit_args, num_nodes, devices, rank, progress)[1])
+    return build, results
+
+
 def estimate(
     fit_args: list[str],
     num_nodes: int,
     devices: int,
-    gpu_memory_gb: float = 80.0,
+    gpu_memory_gb: float | None = None,
     progress: Callable[[str], None] = _quiet,
     alternatives: bool = True,
+    allowance: Allowance | None = None,
+    knobs: Collection[str] | None = None,
 ) -> Estimate:
     """Estimate every distinct role of ``kforge fit *fit_args`` on ``num_nodes x devices`` GPUs.
 
@@ -135,47 +159,79 @@ def estimate(
         fit_args: a ``kforge fit`` command line without the subcommand (``--config ...`` and overrides);
             ``trainer.accelerator / devices / num_nodes`` are set by the estimate.
         num_nodes, devices: the simulated cluster.
-        gpu_memory_gb: memory of one GPU (GB = 1e9 bytes) for the verdict.
+        gpu_memory_gb: memory of one GPU (GB = 1e9 bytes) for the verdict; None: the GPU kind's
+            (:data:`~kempnerforge.estimate.allowance.GPU_KINDS`, 80 for the default H100).
         progress: receives one line per phase, the first once the configuration passed ``kforge fit``'s checks
             (nothing before: a refused configuration gets no progress line).
-        alternatives: when it does not fit, simulate the in-config alternatives (AC, micro-batch, chunked loss)
-            on the worst role (one more step each); False: reason from the breakdown only.
+        alternatives: when it does not fit, estimate the changes that could make it fit (one simulated step per
+            role and size tried, :mod:`~kempnerforge.estimate.verdict`); False: no suggestions.
+        allowance: the allowance model (GPU kind and terms); None: an H100's defaults.
+        knobs: the knobs suggestions may change (:data:`~kempnerforge.estimate.verdict.KNOBS`); None: all.
 
     Raises:
         EstimateConfigError: a configuration ``kforge fit`` would refuse (names the field), before any model is built.
         SystemExit: a parse error (unknown field), as ``kforge fit`` exits.
     """
-    from kempnerforge.estimate.verdict import verdict
+    from kempnerforge.estimate.verdict import KNOBS, Candidate, verdict
 
+    allowance = allowance or Allowance.for_gpu()
+    if gpu_memory_gb is None:
+        gpu_memory_gb = GPU_KINDS[allowance.gpu].memory_gb
     start = time.perf_counter()
     # Announced once the checks passed, so a refused configuration prints its error line and nothing else.
     announce = f"simulating {num_nodes} x {devices} = {num_nodes * devices} ranks"
-    build, first = simulate_rank(fit_args, num_nodes, devices, 0, progress, announce)
-    results = [first]
-    for rank in roles(build)[1:]:
-        results.append(simulate_rank(fit_args, num_nodes, devices, rank, progress)[1])
-    est = Estimate(
-        num_nodes=num_nodes,
-        devices_per_node=devices,
-        gpu_memory_bytes=int(gpu_memory_gb * 1e9),
-        degrees=dict(
-            zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), build.strategy.parallel_mesh.dims.shape, strict=True)
-        )
-        | {"ep": build.strategy.parallel_mesh.dims.ep},
-        model_params=build.model_params,
-        roles=results,
-        notes=list(build.notes),
-    )
-    worst = max(results, key=lambda r: r.peak_bytes)
+    est, build = _estimate_of(fit_args, num_nodes, devices, gpu_memory_gb, allowance, progress, announce)
 
-    def reestimate(overrides: list[str]) -> tuple[int, int]:
-        progress(f"estimating the alternative {' '.join(overrides)}")
-        role = simulate_rank([*fit_args, *overrides], num_nodes, devices, worst.rank, progress)[1]
-        return role.peak_bytes, role.flops / max(role.tokens, 1)
+    def rerun(candidate: Candidate) -> Estimate | None:
+        change = candidate.change(est)
+        progress(f"suggestion {candidate.knob}: estimating {change}")
+        args = [*fit_args, *candidate.overrides]
+        try:
+            changed = _estimate_of(args, candidate.num_nodes, candidate.devices, gpu_memory_gb, allowance)[0]
+        except EstimateConfigError as err:
+            progress(f"suggestion {candidate.knob}: {change} dropped: kforge fit refuses it ({err})")
+            return None
+        except FakeTensorLimitError as err:
+            progress(f"suggestion {candidate.knob}: {change} dropped: {err}")
+            return None
+        peak = max(r.peak_bytes for r in changed.roles)
+        progress(f"suggestion {candidate.knob}: {change} -> peak {gb(peak)} per rank")
+        return changed
 
     subclass = uses_class_paths(fit_args)
     est.verdict = verdict(
-        est, build.module, build.strategy, build.datamodule, subclass, reestimate if alternatives else None
+        est,
+        allowance,
+        build.module,
+        build.strategy,
+        build.datamodule,
+        subclass,
+        rerun if alternatives else None,
+        knobs=KNOBS if knobs is None else knobs,
     )
     est.seconds = time.perf_counter() - start
     return est
+
+
+def _estimate_of(
+    fit_args: list[str],
+    num_nodes: int,
+    devices: int,
+    gpu_memory_gb: float,
+    allowance: Allowance,
+    progress: Callable[[str], None] = _quiet,
+    announce: str | None = None,
+) -> tuple[Estimate, RankBuild]:
+    """The :class:`Estimate` of every role, without a verdict, and rank 0's build."""
+    build, results = simulate_roles(fit_args, num_nodes, devices, progress, announce)
+    dims = build.strategy.parallel_mesh.dims
+    return Estimate(
+        num_nodes=num_nodes,
+        devices_per_node=devices,
+        gpu_memory_bytes=int(gpu_memory_gb * 1e9),
+        degrees=dict(zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), dims.shape, strict=True)) | {"ep": dims.ep},
+        model_params=build.model_params,
+        roles=results,
+        notes=list(build.notes),
+        allowance=allowance.to_json(),
+    ), build

@@ -25,10 +25,11 @@ from kempnerforge.estimate import (
     format_text,
     plot,  # matplotlib is imported inside its functions only
 )
+from kempnerforge.estimate.allowance import Allowance
 from kempnerforge.estimate.pipeline_sim import single_stage_actions
 from kempnerforge.estimate.report import gb
 from kempnerforge.estimate.tracker import CATEGORY
-from kempnerforge.estimate.verdict import needed
+from kempnerforge.estimate.verdict import role_needed
 from tests.e2e.inprocess import kforge_in_process
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,7 +126,7 @@ def _check_panels(est, fig) -> None:
         # Phase marks in step order; the GPU's memory and capacity - allowance as lines, or named off scale.
         labels = {t.get_text() for t in left.texts}
         assert {"forward", "backward", "optimizer"} <= labels
-        allowance = needed(role.peak_bytes) - role.peak_bytes
+        allowance = role_needed(Allowance(**est.allowance), role) - role.peak_bytes
         budget = est.gpu_memory_bytes - allowance
         lines = sorted(line.get_ydata()[0] for line in left.get_lines() if line.get_label().startswith("GPU memory"))
         if budget <= 4 * role.peak_bytes:
