@@ -138,13 +138,13 @@ ADVICE = {
                              {"micro_batch_size"}, True),
     "cp_debug-cp": ([str(REPO / "configs" / "cp_debug.yaml"), *SHORT, "--model.config.n_layers=2"], 1, 4, 1.98, "cp",
                     {"cp"}, True),
-    "moe-pp": ([str(REPO / "configs" / "moe_debug.yaml"), *SHORT, "--model.config.n_layers=2"], 1, 2, 1.12, "pp",
+    "moe-pp": ([str(REPO / "configs" / "moe_debug.yaml"), *SHORT, "--model.config.n_layers=2"], 1, 2, 1.10, "pp",
                {"pp"}, False),
     "dense-ac-loss": ([DEBUG, "--data.seq_len=256", "--data.micro_batch_size=4", "--model.config.n_layers=2",
                        "--model.loss_impl=torch", "--trainer.strategy.init_args.activation_checkpointing=selective_op"],
                       1, 1, 1.0, "activation_checkpointing,loss_impl",
                       {"activation_checkpointing", "loss_impl"}, True),
-    "vlm-micro-batch": ([str(REPO / "configs" / "vlm_jd.yaml")], 1, 2, 1.07, "micro_batch_size",
+    "vlm-micro-batch": ([str(REPO / "configs" / "vlm_jd.yaml")], 1, 2, 1.06, "micro_batch_size",
                         {"micro_batch_size"}, True),
 }  # fmt: skip
 
