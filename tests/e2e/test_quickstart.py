@@ -50,15 +50,16 @@ def test_debug_recipe_reaches_val_loss_below_6(tmp_path):
 
 
 def _readme_generate_example_prints_text(ckpt: Path) -> None:
-    """The README's first `kforge generate` example, on this checkpoint, prints words for every prompt (greedy
-    decoding of the debug model repeats newlines: the example samples)."""
+    """The docs' first `kforge generate` example (docs/how-to/generate-convert-eval.md, moved there from the README),
+    on this checkpoint, prints words for every prompt (greedy decoding of the debug model repeats newlines: the example
+    samples)."""
     import re
     import shlex
 
     from tests.e2e.inprocess import kforge_in_process
 
-    readme = (REPO / "README.md").read_text()
-    line = next(x for x in readme.splitlines() if x.startswith("kforge generate --ckpt checkpoints/debug --prompt"))
+    page = (REPO / "docs" / "how-to" / "generate-convert-eval.md").read_text()
+    line = next(x for x in page.splitlines() if x.startswith("kforge generate --ckpt checkpoints/debug --prompt"))
     args = [str(ckpt) if a == "checkpoints/debug" else a for a in shlex.split(line.split("#")[0])[1:]]
     proc = kforge_in_process(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
