@@ -69,8 +69,13 @@ def markdown_help(text: str | None) -> str:
     text = " ".join(text.split())
     text = re.sub(r":(?:func|class|mod|meth|attr|data|obj|exc):`~?([^`]+)`", r"`\1`", text)
     text = re.sub(r"``([^`]+)``", r"`\1`", text)
-    text = text.replace("|", "\\|")
-    return text.replace("%%", "%")
+    return escape_pipes(text.replace("%%", "%"))
+
+
+def escape_pipes(text: str) -> str:
+    """``|`` escaped for a table cell outside code spans (inside them the table parser leaves it alone)."""
+    parts = text.split("`")
+    return "`".join(part if i % 2 else part.replace("|", "\\|") for i, part in enumerate(parts))
 
 
 def fields(parser: Any, under: str = "") -> list[Field]:
@@ -96,7 +101,5 @@ def table(rows: list[Field], strip: str = "") -> str:
         name = row.name.removeprefix(strip) if strip else row.name
         default = "*required*" if row.required else (f"`{row.default}`" if row.default != "" else "")
         kind = f"`{row.type}`" + (f" (one of {row.choices})" if row.choices else "")
-        lines.append(
-            f"| `{name}` | {kind.replace('|', chr(92) + '|')} | {default.replace('|', chr(92) + '|')} | {row.help} |"
-        )
+        lines.append(f"| `{name}` | {escape_pipes(kind)} | {escape_pipes(default)} | {row.help} |")
     return "\n".join(lines)
