@@ -1,5 +1,7 @@
-"""Issue 29, checks 1 and 2: the docs site builds with ``mkdocs build --strict`` (broken links, missing API objects
-fail it) with its reference pages generated from the code, and the README reaches every page in one click.
+"""Issue 29, checks 1, 2 and 8: the docs site builds with ``mkdocs build --strict`` (broken links, missing API objects
+fail it) with its reference pages generated from the code, the README reaches every page in one click, and in a real
+browser (headless Chromium, tests/cdp.py) the home page, a tutorial, the CLI reference and an API page render, log no
+console error, request nothing outside the machine, and search works from the built folder (file://).
 
 The site is built once for the module (about 15 s of CPU: the reference pages import kempnerforge and build its
 parsers, mkdocstrings reads every module)."""
@@ -15,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.cdp import Chromium, ensure_chromium
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -82,3 +86,38 @@ def test_the_readme_reaches_every_page_in_one_click():
     assert not broken, broken
     unlinked = sorted(p for p in pages if p not in links and not p.endswith("/index.md"))
     assert not unlinked, f"pages the README does not link: {unlinked}"
+
+
+PAGES = ("index.html", "tutorials/pretrain.html", "reference/cli.html", "reference/api/strategies.html")
+
+
+def test_pages_render_offline_in_headless_chromium(site, tmp_path):
+    """Check 8: each page loads from the built folder with no console error and no request that leaves the machine;
+    the search box finds pages, and a navigation link opens its page. Screenshots are kept in the test's folder."""
+    executable, why = ensure_chromium()
+    if executable is None:
+        pytest.skip(why)
+    browser = Chromium(executable, tmp_path / "profile")
+    try:
+        for page in PAGES:
+            browser.open((site / page).as_uri())
+            assert browser.wait_for("document.querySelector('article h1') !== null"), page
+            title = browser.evaluate("document.querySelector('article h1').textContent")
+            assert title.strip(), page
+            shot = browser.screenshot(tmp_path / (page.replace("/", "_") + ".png"))
+            assert shot.stat().st_size > 20_000, page  # a rendered page, not a blank one
+        browser.open((site / "index.html").as_uri())
+        browser.evaluate("""(() => { const box = document.querySelector('.md-search__input'); box.focus();
+            box.value = 'checkpoint'; box.dispatchEvent(new Event('input', {bubbles: true})); return true; })()""")
+        assert browser.wait_for("document.querySelectorAll('.md-search-result__item').length > 0", 20), "no results"
+        browser.screenshot(tmp_path / "search.png")
+        browser.evaluate("setTimeout(() => document.querySelector('a[href$=\"coming-from.html\"]').click(), 0)")
+        assert browser.wait_for("location.href.endsWith('coming-from.html') && document.readyState === 'complete'")
+        assert "torchtitan" in browser.evaluate("document.querySelector('article h1').textContent")
+    finally:
+        browser.close()
+    print(f"screenshots in {tmp_path}")
+    assert not browser.log.errors, browser.log.errors
+    outside = [u for u in browser.log.requests if not u.startswith(("file:", "data:", "blob:", "about:"))]
+    assert not outside, outside
+    assert sum(u.startswith("file:") for u in browser.log.requests) >= len(PAGES)  # the requests were recorded
