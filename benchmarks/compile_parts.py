@@ -29,11 +29,13 @@ Set ``TORCHINDUCTOR_CACHE_DIR`` to reuse compiled code between runs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 if __name__ == "__main__":  # threads before torch is imported (OMP reads the variable once)
     for i, a in enumerate(sys.argv):
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tie", action="store_true", help="tie the head to the embedding (configs/debug.yaml)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     which = [w for w in args.parts.split(",") if w]
@@ -186,11 +189,18 @@ def main(argv: list[str] | None = None) -> None:
                       tie_embeddings=args.tie)  # fmt: skip
     print(f"torch {torch.__version__}, {args.threads} thread(s); dim {cfg.dim}, {cfg.n_layers} layers, vocab "
           f"{cfg.vocab_size}, seq {args.seq_len}, batch {args.batch_size}; CPU ms = median process time per rep")  # fmt: skip
+    result: dict = {"threads": args.threads, "shape": {k: v for k, v in vars(args).items() if k not in ("json", "parts")},
+                    "parts": {}}  # fmt: skip
     for part, variants in build_parts(cfg, args.batch_size, args.seq_len, which).items():
         diff = check_equal(variants)  # also compiles
         print(f"{part}" + ("" if diff is None else f"  (max |diff| to {next(iter(variants))}: {diff:.1e})"))
-        for name, r in paired(variants, args.reps).items():
+        timed = paired(variants, args.reps)
+        result["parts"][part] = {"max_abs_diff": diff, "variants": timed}
+        for name, r in timed.items():
             print(f"  {name:12s} CPU {r['cpu_ms']:8.1f} ms   speed-up {r['speedup']:.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -287,9 +287,10 @@ def main() -> None:
     result["machine"] = {"cpus": os.cpu_count(), "threads": args.threads, "loadavg_start": os.getloadavg()}
     print(f"scratch folder {root}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     try:
-        print("warm-up (not counted): kforge (tokenizes the shards once), plain", flush=True)
-        _run(_kforge_cmd(), root, env)
-        _run(_plain_cmd(), root, env)
+        if args.pairs:  # only the timed pairs need a warm machine (the instrumented runs tokenize if need be)
+            print("warm-up (not counted): kforge (tokenizes the shards once), plain", flush=True)
+            _run(_kforge_cmd(), root, env)
+            _run(_plain_cmd(), root, env)
         for i in range(args.pairs):
             load = os.getloadavg()[0]
             order = ("plain", "kforge") if i % 2 == 0 else ("kforge", "plain")

@@ -72,3 +72,28 @@ def tiny_llama_folder(folder: Path) -> Path:
     return save_random(
         LlamaForCausalLM, config, folder, tokenizer=Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "gpt2"
     )
+
+
+def llama31_8b_config(folder: Path) -> Path:
+    """A config.json-only HF folder as Llama-3.1-8B's (the estimate needs no weights), ``llama3`` RoPE scaling
+    included (it changes RoPE's frequencies, not any shape)."""
+    folder.mkdir(parents=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+              "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def siglip_so400m(folder: Path) -> Path:
+    """A config.json of SigLIP so400m's vision tower shape (384 px, patch 14, 27 layers, width 1152); no weights."""
+    from transformers import SiglipVisionConfig
+
+    SiglipVisionConfig(
+        hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=384,
+        patch_size=14,
+    ).save_pretrained(folder)  # fmt: skip
+    return folder

@@ -12,7 +12,7 @@ jsonl, parquet, a ``datasets.save_to_disk`` folder): it is tokenized into a temp
 Perplexity = exp(total next-token cross-entropy / number of target tokens), over non-overlapping
 windows of ``seq_len + 1`` tokens (the training layout). For benchmark tasks use lm-evaluation-harness
 on a converted checkpoint (``kforge convert dcp-to-hf``, then ``lm_eval --model hf
---model_args pretrained=<dir>``; see README).
+--model_args pretrained=<dir>``; see docs/how-to/generate-convert-eval.md).
 """
 
 from __future__ import annotations

@@ -46,19 +46,32 @@ def test_debug_recipe_reaches_val_loss_below_6(tmp_path):
     assert len(val) == 2 and val[0] > val[1] and val[-1] < 6.0, val
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step=000100.ckpt"
     print(f"debug recipe: {wall:.0f} s wall, val/loss {val}")
+    _quoted_loss_is_this_runs(val[-1])
     _readme_generate_example_prints_text(tmp_path / "ckpt")
 
 
+def _quoted_loss_is_this_runs(val_loss: float) -> None:
+    """Issue 29: the validation loss the README and the recipe's header quote (scripts/refresh_figures.py writes it)
+    is within 2% of this run's, the README's own command."""
+    from tests.figures import refresh_figures
+
+    figures = refresh_figures()
+    values = {"quickstart": {"val_loss": val_loss}}
+    assert {q.file for q in figures.QUOTES if q.sources() <= set(values)} == {"README.md", "configs/debug.yaml"}
+    assert not figures.differences(values), figures.differences(values)
+
+
 def _readme_generate_example_prints_text(ckpt: Path) -> None:
-    """The README's first `kforge generate` example, on this checkpoint, prints words for every prompt (greedy
-    decoding of the debug model repeats newlines: the example samples)."""
+    """The docs' first `kforge generate` example (docs/how-to/generate-convert-eval.md, moved there from the README),
+    on this checkpoint, prints words for every prompt (greedy decoding of the debug model repeats newlines: the example
+    samples)."""
     import re
     import shlex
 
     from tests.e2e.inprocess import kforge_in_process
 
-    readme = (REPO / "README.md").read_text()
-    line = next(x for x in readme.splitlines() if x.startswith("kforge generate --ckpt checkpoints/debug --prompt"))
+    page = (REPO / "docs" / "how-to" / "generate-convert-eval.md").read_text()
+    line = next(x for x in page.splitlines() if x.startswith("kforge generate --ckpt checkpoints/debug --prompt"))
     args = [str(ckpt) if a == "checkpoints/debug" else a for a in shlex.split(line.split("#")[0])[1:]]
     proc = kforge_in_process(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]

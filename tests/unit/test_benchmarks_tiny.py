@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.procs import run_group
@@ -25,6 +26,22 @@ SCRIPTS = {
     "loss_path": "benchmarks/loss_path.py",
     "moe_step": "benchmarks/moe_step.py",
     "init_time": "benchmarks/init_time.py",
+    "compile_parts": "benchmarks/compile_parts.py",
+    "chunked_ce_memory": "benchmarks/chunked_ce_memory.py",
+    "startup": "benchmarks/startup.py",
+}
+#: Every file of benchmarks/ and the test that runs it at a tiny shape (issue 29: none may break unnoticed).
+RUN_BY = {
+    **{path: "tests/unit/test_benchmarks_tiny.py" for path in SCRIPTS.values()},
+    "benchmarks/cpu_throughput.py": "tests/unit/test_cpu_throughput_benchmark.py",
+    "benchmarks/ckpt_checksum.py": "tests/unit/test_ckpt_checksum_benchmark.py",
+    "benchmarks/cp_step.py": "tests/unit/test_cp_step_benchmark.py",
+    # every row at its published (cluster) shape: simulated, about 25 s
+    "benchmarks/estimate_published.py": "tests/e2e/test_estimate_published.py",
+    "benchmarks/gpu_mfu.py": "tests/unit/test_gpu_mfu_benchmark.py",
+    "benchmarks/gpu_check.sh": "tests/unit/test_gpu_mfu_benchmark.py",
+    # the contenders' builders, imported by gpu_mfu.py (torchtitan's side where torchtitan imports)
+    "benchmarks/contenders.py": "tests/unit/test_gpu_mfu_benchmark.py",
 }
 
 
@@ -99,3 +116,39 @@ def test_init_time_previous_and_new_at_a_tiny_decoder(tmp_path):
     assert result["n_params"] > 0 and set(result["best"]) == {"previous", "new"}
     assert _positive(result["cpu_speedup_new_over_previous"]) and _positive(result["wall_speedup_new_over_previous"])
     assert all(len(runs) == 1 for runs in result["runs"].values())
+
+
+def test_every_benchmark_is_run_by_a_test():
+    """A script added to benchmarks/ without a tiny run in the suite (or a test that stops naming its script) fails
+    here; the performance page lists every one of them."""
+    found = {str(p.relative_to(REPO)) for p in (REPO / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    assert found == set(RUN_BY), f"without a test: {sorted(found - set(RUN_BY))}; gone: {sorted(set(RUN_BY) - found)}"
+    page = (REPO / "docs" / "performance" / "index.md").read_text()
+    for script, test in RUN_BY.items():
+        assert Path(script).name in (REPO / test).read_text(), f"{test} does not run {script}"
+        assert f"`{script}`" in page, f"docs/performance/index.md does not list {script}"
+
+
+def test_compile_parts_eager_and_compiled_agree_at_a_tiny_shape(tmp_path):
+    tiny = ["--dim", "32", "--n-layers", "1", "--n-heads", "2", "--n-kv-heads", "2", "--vocab", "256",
+            "--multiple-of", "16", "--seq-len", "16", "--batch-size", "2"]  # fmt: skip
+    result = _run("compile_parts", *tiny, "--parts", "ce,chunked,embedding", "--reps", "3", tmp=tmp_path)
+    assert set(result["parts"]) == {"ce", "chunked", "embedding"}
+    assert result["parts"]["ce"]["max_abs_diff"] < 1e-5  # inductor's cross-entropy gradient equals eager's
+    assert result["parts"]["chunked"]["max_abs_diff"] < 1e-5  # chunked head + loss equals full logits
+    for part in result["parts"].values():
+        assert all(_positive(v["speedup"]) for v in part["variants"].values()), part
+
+
+def test_chunked_ce_memory_writes_both_peaks(tmp_path):
+    result = _run("chunked_ce_memory", "--tokens", "64", "--dim", "16", "--vocab", "512", "--chunk", "16", tmp=tmp_path)
+    assert result["chunked"]["loss"] == pytest.approx(result["plain"]["loss"], rel=1e-5)
+    assert math.isfinite(result["plain"]["peak_rise_mib"]) and _positive(result["ratio"])
+
+
+def test_startup_reports_the_import_breakdown_without_timed_pairs(tmp_path):
+    """--pairs 0 --phase-runs 0: one instrumented `kforge fit --trainer.max_steps=1` under -X importtime (the timed
+    pairs are the same commands, measured)."""
+    result = _run("startup", "--pairs", "0", "--phase-runs", "0", tmp=tmp_path)
+    assert result["pairs"] == [] and result["phases"] == {}
+    assert _positive(result["imports"]["total_self_s"]) and "torch" in result["imports"]["self_s_by_package"]

@@ -89,6 +89,7 @@ def test_weight_mapping_to_torchtitan_is_a_rename():
         "layers.0.feed_forward.w1.weight": 3,
         "output.weight": 4,
     }
+    # benchmarks/contenders.py's key mapping (gpu_mfu.py imports it), checked without torchtitan installed
     assert bench.to_torchtitan_state_dict(sd) == {
         "tok_embeddings.weight": 0,
         "layers.0.attention.qkv_linear.wq.weight": 1,
