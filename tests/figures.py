@@ -1,4 +1,5 @@
-"""scripts/refresh_figures.py as a module, for the tests that check the figures it writes into the docs and recipes."""
+"""Scripts of the repository as modules (scripts/refresh_figures.py, benchmarks/estimate_published.py), for the tests that
+check the figures they write into the docs and recipes."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ from types import ModuleType
 REPO = Path(__file__).resolve().parents[1]
 
 
-def refresh_figures() -> ModuleType:
-    """The script's module (loaded once; its dataclasses need it registered in ``sys.modules``)."""
-    if "refresh_figures" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("refresh_figures", REPO / "scripts" / "refresh_figures.py")
+def script_module(path: str) -> ModuleType:
+    """The script at ``path`` (relative to the repository) as a module named after its file, loaded once (its
+    dataclasses need it registered in ``sys.modules``)."""
+    name = Path(path).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules["refresh_figures"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules["refresh_figures"]
+    return sys.modules[name]
+
+
+def refresh_figures() -> ModuleType:
+    """scripts/refresh_figures.py as a module."""
+    return script_module("scripts/refresh_figures.py")

@@ -5,24 +5,18 @@ table (docs/how-to/estimate.md) is the one the script prints."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.figures import script_module
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("estimate_published", REPO / "benchmarks" / "estimate_published.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_estimate_within_10_percent_of_each_published_peak_or_says_why():
-    script = _script()
+    script = script_module("benchmarks/estimate_published.py")
     filled = [script.fill(row) for row in script.rows()]
     for row in filled:
         within = abs(row.ratio - 1) <= script.TOLERANCE
