@@ -22,7 +22,7 @@ LIGHTNING_COMMANDS: dict[str, str] = {
 TOOLS: dict[str, tuple[str, str]] = {
     "prepare-data": (
         "tokenize text (files, folders, jsonl / parquet, datasets folders) into memory-mapped token shards",
-        "kempnerforge.data.prepare:prepare_main",
+        "kempnerforge.data.prepare_cli:prepare_main",
     ),
     "generate": (
         "sample from a checkpoint (KV cache; --image / --video for vision-language checkpoints)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,14 @@ from typing import Any
 METADATA_FILE = "metadata.json"
 SHARD_PATTERN = "shard_{:05d}.npy"
 # Files prepare_data itself writes; only these are removed by overwrite=True.
-_ARTIFACT_RE = re.compile(r"^((shard|mask|offsets)_\d{5}\.npy|metadata\.json)(\.tmp)?$")  # mask/offsets: chat data
+_ARTIFACT_RE = re.compile(
+    r"^((shard|mask|offsets)_\d{5,}\.npy|metadata\.json)(\.tmp)?$|^\.prepare$"
+)  # mask/offsets: chat
 
 
 def is_prepare_artifact(name: str) -> bool:
-    """True for file names :func:`prepare_data` writes (shards, metadata, their ``.tmp`` files)."""
+    """True for file names :func:`prepare_data` writes (shards, metadata, their ``.tmp`` files, the ``.prepare`` records
+    folder)."""
     return bool(_ARTIFACT_RE.match(name))
 
 
@@ -56,4 +60,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
     (output_dir / METADATA_FILE).unlink(missing_ok=True)
     for name in entries:
         if is_prepare_artifact(name):
-            (output_dir / name).unlink(missing_ok=True)
+            if (output_dir / name).is_dir():  # .prepare: a text preparation's records
+                shutil.rmtree(output_dir / name, ignore_errors=True)
+            else:
+                (output_dir / name).unlink(missing_ok=True)
