@@ -13,8 +13,6 @@ import pytest
 from tests.e2e.preempt_helpers import REPO
 from tests.e2e.recipe_kills import kill_recipe, log_tail
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
 
 def _sources(root):
     import pyarrow as pa
@@ -31,6 +29,8 @@ def _sources(root):
             {"name": "parquet", "source": str(root / "b"), "weight": 1.0}]  # fmt: skip
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_streaming_mixture_from_the_cli_is_killed_and_resumes_exactly(tmp_path):
     data = {
         "class_path": "kempnerforge.data.StreamingTokenDataModule",
