@@ -110,8 +110,11 @@ def _from_tokenizers(tok_json: Path, tok_dir: Path) -> LocalTokenizer:
     added = tok.get_added_tokens_decoder()
     vocab_size = max([tok.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added)])
 
+    # encode_batch_fast (tokenizers >= 0.21) skips the character offsets: the same ids, 5-20% less CPU.
+    batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+
     def encode_batch(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in batch(texts, add_special_tokens=False)]
 
     return LocalTokenizer(str(tok_dir), vocab_size, eos_id, encode_batch)
 

@@ -152,7 +152,10 @@ def jsonl_values(path: Path, begin: int, end: int, text_field: str) -> Iterator[
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.decode("utf-8"))  # a str skips json's encoding detection
+            except UnicodeDecodeError as bad:
+                n = _line_number(path, start)
+                raise ValueError(f"source {str(path)!r} line {n} is not UTF-8 ({bad.reason})") from bad
             except json.JSONDecodeError as bad:
                 n = _line_number(path, start)
                 raise ValueError(

@@ -213,11 +213,12 @@ def encode_pieces(pieces: Any, tok: Any, writer: _NpyStream, batch_size: int) ->
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(job: Job) -> None:
+def _init_worker(job: Job, tok: Any = None) -> None:
+    """A worker's state: the job and the tokenizer (a forked worker shares the parent's, already loaded)."""
     from kempnerforge.data.prepare import load_tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the processes are the parallelism
-    _WORKER.update(job=job, tok=load_tokenizer(job.tokenizer))
+    _WORKER.update(job=job, tok=tok if tok is not None else load_tokenizer(job.tokenizer))
 
 
 def _worker_shard(shard: int) -> dict[str, Any]:
@@ -250,7 +251,7 @@ def run_shards(job: Job, shards: list[int], num_workers: int, tok: Any, progress
                     records[u] = tokenize_shard(job, u, tok)
                     bar.update(weight[u])
         else:
-            for u, record in _pool(job, todo, workers):
+            for u, record in _pool(job, todo, workers, tok):
                 records[u] = record
                 bar.update(weight[u])
     finally:
@@ -258,9 +259,11 @@ def run_shards(job: Job, shards: list[int], num_workers: int, tok: Any, progress
     return [records[u] for u in shards]
 
 
-def _pool(job: Job, todo: list[int], workers: int):
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with _tokenizer_threads(False), ProcessPoolExecutor(workers, ctx, _init_worker, (job,)) as pool:
+def _pool(job: Job, todo: list[int], workers: int, tok: Any):
+    fork = sys.platform == "linux"
+    ctx = multiprocessing.get_context("fork" if fork else "spawn")
+    init = (job, tok if fork else None)  # fork: nothing is pickled, the workers inherit the loaded tokenizer
+    with _tokenizer_threads(False), ProcessPoolExecutor(workers, ctx, _init_worker, init) as pool:
         futures = {pool.submit(_worker_shard, u): u for u in todo}
         try:
             for fut in as_completed(futures):

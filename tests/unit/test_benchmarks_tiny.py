@@ -25,6 +25,7 @@ SCRIPTS = {
     "loss_path": "benchmarks/loss_path.py",
     "moe_step": "benchmarks/moe_step.py",
     "init_time": "benchmarks/init_time.py",
+    "data_io": "benchmarks/data_io.py",
 }
 
 
@@ -99,3 +100,19 @@ def test_init_time_previous_and_new_at_a_tiny_decoder(tmp_path):
     assert result["n_params"] > 0 and set(result["best"]) == {"previous", "new"}
     assert _positive(result["cpu_speedup_new_over_previous"]) and _positive(result["wall_speedup_new_over_previous"])
     assert all(len(runs) == 1 for runs in result["runs"].values())
+
+
+def test_data_io_variants_count_the_same_tokens_and_the_loaders_report(tmp_path):
+    """Issue 30 item 5 at a tiny shape: every tokenizing variant (raw encode_batch, prepare-data at 1 and 2 workers,
+    datasets.map) counts the same tokens of the same text, the ratios are finite, both loaders deliver batches."""
+    tiny = ["--mb", "0.2", "--workers", "2", "--shard-bytes", "65536", "--repeats", "1", "--loader-seq", "128",
+            "--loader-batches", "3", "--loader-warmup", "1"]  # fmt: skip
+    result = _run("data_io", *tiny, tmp=tmp_path)
+    t = result["tokenize"]
+    assert set(t["best"]) == {"encode_batch_1@1", "encode_batch@2", "prepare@1", "prepare@2", "datasets_map@2"}
+    assert len(t["tokens"]) == 1 and t["tokens"][0] > 40_000  # one count: the same ids, EOS per document included
+    assert all(_positive(r["tokens_per_s"]) and _positive(r["tokens_per_cpu_s"]) for r in t["best"].values())
+    assert all(_positive(v) for v in [*t["wall_ratios"].values(), *t["cpu_ratios"].values()])
+    loader = result["loader"]
+    assert loader["tokens_per_step_per_rank"] == 8192 and loader["flops_per_token"] > 5e10  # the 8B recipe's shape
+    assert all(_positive(row["tokens_per_s_per_rank"]) for row in loader["loaders"].values())
