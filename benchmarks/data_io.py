@@ -9,7 +9,8 @@ CPU seconds of its process and all its children (``getrusage``) over the timed p
 
 - ``encode_batch``: the GPT-2 tokenizer's ``Tokenizer.encode_batch`` on the records already in memory, 1,024 per
   call, on N Rayon threads (``RAYON_NUM_THREADS``): the physical limit on these cores. ``encode_batch_1``: one thread.
-- ``prepare``: ``prepare_data`` of the jsonl file into shards of ``--shard-bytes``, with ``num_workers`` 1 and N
+- ``prepare``: ``prepare_data`` of the jsonl file into shards of ``--shard-bytes`` (512 KiB: 32 shards of the 16 MB,
+  so the last shard's tail leaves a worker idle for about 1/32 of the run), with ``num_workers`` 1 and N
   (reading, JSON parsing, tokenizing, writing and fsyncing every shard, the metadata).
 - ``datasets_map``: ``datasets.load_dataset("json")`` of the same file (cache in a temporary folder) and
   ``Dataset.map(batched=True, batch_size=1024, num_proc=N)`` with the same tokenizer, one thread per process.
@@ -20,7 +21,8 @@ On a shared
 machine they move with the other load; tokens per CPU-second of the whole run (median over the repeats) do not
 count waiting, so ``cpu_ratios`` compare the work each variant does for the same tokens, and
 ``idle_speedup_bound`` (N x N workers' tokens per CPU-second / one worker's) is the speed-up an idle machine gives
-when every worker is busy all the time. ``load_avg`` is ``os.getloadavg()`` before each run.
+when every worker is busy all the time. ``load_avg`` is ``os.getloadavg()`` before each run; ``--max-load`` waits
+for a quieter machine before each round.
 
 The loaders: the 8B recipe's shape (``configs/llama3_8b.yaml``: seq_len, micro_batch_size, num_workers) on one rank:
 ``TokenDataModule`` over a memmap folder of random uint32 ids (vocab 128,256) and ``StreamingTokenDataModule``
@@ -135,7 +137,17 @@ def spawn_variant(name: str, workers: int, corpus: Path, shard_bytes: int) -> di
             "tokens_per_cpu_s": result["tokens"] / result["cpu_s"]}  # fmt: skip
 
 
-def tokenize_section(mb: float, workers: int, shard_bytes: int, repeats: int, root: Path) -> dict:
+def wait_for_quiet(max_load: float | None, max_wait_s: float) -> None:
+    """Waits (at most ``max_wait_s``) until the 1-minute load average is below ``max_load`` (None: no wait)."""
+    deadline = time.monotonic() + max_wait_s
+    while max_load is not None and os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+
+
+def tokenize_section(
+    mb: float, workers: int, shard_bytes: int, repeats: int, root: Path, max_load: float | None = None,
+    max_wait_s: float = 0.0,
+) -> dict:  # fmt: skip
     """Every tokenizing variant, ``repeats`` rounds; the best (shortest wall) run of each and the ratios."""
     corpus = root / "corpus.jsonl"
     records = write_corpus(corpus, mb)
@@ -143,6 +155,7 @@ def tokenize_section(mb: float, workers: int, shard_bytes: int, repeats: int, ro
             ("datasets_map", workers)]  # fmt: skip
     runs: dict[str, list[dict]] = {f"{n}@{w}": [] for n, w in plan}
     for _ in range(repeats):
+        wait_for_quiet(max_load, max_wait_s)
         for name, w in plan:
             runs[f"{name}@{w}"].append(spawn_variant(name, w, corpus, shard_bytes))
     best = {key: min(rs, key=lambda r: r["wall_s"]) for key, rs in runs.items()}
@@ -230,7 +243,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=16.0, help="MB of jsonl text")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="N (default: the CPUs)")
-    parser.add_argument("--shard-bytes", type=int, default=1 << 20, help="prepare-data's shard_bytes")
+    parser.add_argument("--shard-bytes", type=int, default=1 << 19, help="prepare-data's shard_bytes")
+    parser.add_argument("--max-load", type=float, default=None, help="start each round below this 1-min load")
+    parser.add_argument("--max-wait-s", type=float, default=600.0, help="longest wait for --max-load per round")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loader-seq", type=int, default=None, help="seq_len of the loaders (default: the recipe's)")
     parser.add_argument("--loader-batches", type=int, default=20)
@@ -248,7 +263,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     root = Path(tempfile.mkdtemp(prefix="data_io_"))
     try:
         result = {"machine": {"cpus": len(os.sched_getaffinity(0)), "load_avg_start": os.getloadavg()}}
-        result["tokenize"] = tokenize_section(args.mb, args.workers, args.shard_bytes, args.repeats, root)
+        result["tokenize"] = tokenize_section(
+            args.mb, args.workers, args.shard_bytes, args.repeats, root, args.max_load, args.max_wait_s
+        )
         result["loader"] = loader_section(root, args.loader_seq, args.loader_batches, args.loader_warmup, args.mfu,
                                           args.peak_tflops)  # fmt: skip
         result["machine"]["load_avg_end"] = os.getloadavg()

@@ -21,7 +21,8 @@ LIGHTNING_COMMANDS: dict[str, str] = {
 #: Tools besides the Lightning subcommands: name -> (one line of help, "module:function" taking argv).
 TOOLS: dict[str, tuple[str, str]] = {
     "prepare-data": (
-        "tokenize text (files, folders, jsonl / parquet, datasets folders) into memory-mapped token shards",
+        "tokenize text (files, folders, jsonl / parquet, datasets folders) into memory-mapped token shards, on N "
+        "processes or as array parts (--merge joins them)",
         "kempnerforge.data.prepare_cli:prepare_main",
     ),
     "generate": (

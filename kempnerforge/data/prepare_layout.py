@@ -39,6 +39,7 @@ LINE_SEARCH_BYTES = 1 << 20
 _LINE_CUT = re.compile(r"(?<=\S)(?=[^\S\n]*\n)")
 _SPACE_CUT = re.compile(r"(?<=\S)(?=\s)")
 _BLOCK = 1 << 20
+_FIRST_BLOCK = 1 << 14  # a boundary is usually a few bytes away: read little first, then up to _BLOCK at a time
 
 
 @dataclass(frozen=True)
@@ -104,17 +105,17 @@ class Layout:
         """``max(1, ceil(total / shard_bytes))``; a shard whose range is empty writes no file."""
         return max(1, math.ceil(self.total / self.shard_bytes))
 
+    @functools.cached_property
+    def _ends(self) -> list[int]:
+        return [it.end for it in self.items]  # non-decreasing: bisect finds an offset's item in O(log items)
+
     def cut(self, offset: int) -> int:
         """The first boundary at or after ``offset`` (see the module docstring); ``total`` past the end."""
         if offset <= 0:
             return 0
         if offset >= self.total:
             return self.total
-        starts = [it.start for it in self.items]
-        i = bisect.bisect_right(starts, offset) - 1
-        while self.items[i].size == 0 or self.items[i].end <= offset:  # empty items share a start with the next
-            i += 1
-        item = self.items[i]
+        item = self.items[bisect.bisect_right(self._ends, offset)]  # the first item ending after offset: it holds it
         if offset == item.start:
             return offset
         return item.start + _item_cut(item, offset - item.start)
@@ -136,7 +137,9 @@ class Layout:
         begin, end = self.bounds(shard)
         last = shard == self.num_shards - 1
         out = []
-        for item in self.items:
+        for item in self.items[bisect.bisect_left(self._ends, begin) :]:
+            if item.start > end:
+                break
             if item.size == 0:
                 if begin <= item.start < end or (last and item.start == end):
                     out.append(Segment(item, 0, 0))
@@ -195,8 +198,9 @@ def line_start(path: Path, offset: int, size: int) -> int:
     """Byte offset of the first line that starts at or after ``offset`` (``size`` when none does)."""
     with open(path, "rb") as f:
         f.seek(offset - 1)  # a line starts at `offset` when the byte before it ends a line
-        pos = offset - 1
-        while block := f.read(_BLOCK):
+        pos, size_read = offset - 1, _FIRST_BLOCK
+        while block := f.read(size_read):
+            size_read = min(_BLOCK, 2 * size_read)
             nl = block.find(b"\n")
             if nl >= 0:
                 return min(size, pos + nl + 1)
@@ -224,11 +228,12 @@ def text_cut(path: Path, offset: int, size: int) -> int:
         split = len(head) - lead > len(text.encode("utf-8"))  # `offset` falls inside a character
         first = len(text) + split  # index of the first character that starts at or after `offset`
         limit = offset + LINE_SEARCH_BYTES
-        want_line, eof = True, False
+        want_line, eof, size_read = True, False, _FIRST_BLOCK
         while True:
             if not eof:
-                block = f.read(_BLOCK)
-                eof = len(block) < _BLOCK
+                block = f.read(size_read)
+                eof = len(block) < size_read
+                size_read = min(_BLOCK, 2 * size_read)
                 text += _decode(decoder, block, path, final=eof)
             if want_line:
                 m = _LINE_CUT.search(text, first)

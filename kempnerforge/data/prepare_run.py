@@ -240,7 +240,8 @@ def run_shards(job: Job, shards: list[int], num_workers: int, tok: Any, progress
     out = Path(job.out)
     records = {u: done_record(out, u, job.plan, job.dtype) for u in shards}
     todo = [u for u in shards if records[u] is None]
-    weight = {u: max(1, b - a) for u in shards for a, b in [job.layout.bounds(u)]}
+    grid, total = job.layout.shard_bytes, job.layout.total
+    weight = {u: max(1, min(total, (u + 1) * grid) - u * grid) for u in shards}  # the grid: no file read here
     bar = tqdm(total=sum(weight.values()), unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
     bar.update(sum(weight[u] for u in shards if records[u] is not None))
     workers = min(num_workers, len(todo))

@@ -178,8 +178,8 @@ def test_text_cut_is_the_first_safe_place_and_never_goes_back(tmp_path):
         return next((starts[i] for i in ok if s[i].isspace()), len(s.encode()))
 
     path = tmp_path / "t.txt"
-    saved = layout.LINE_SEARCH_BYTES, layout._BLOCK
-    layout.LINE_SEARCH_BYTES, layout._BLOCK = limit, 7  # tiny read blocks: every boundary case of the loop
+    saved = layout.LINE_SEARCH_BYTES, layout._FIRST_BLOCK, layout._BLOCK
+    layout.LINE_SEARCH_BYTES, layout._FIRST_BLOCK, layout._BLOCK = limit, 3, 7  # tiny reads: every case of the loop
     try:
         for _ in range(150):
             s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 90)))
@@ -188,7 +188,7 @@ def test_text_cut_is_the_first_safe_place_and_never_goes_back(tmp_path):
             assert cuts == [rule(s, o) for o in range(1, len(s.encode()))], s
             assert cuts == sorted(cuts)
     finally:
-        layout.LINE_SEARCH_BYTES, layout._BLOCK = saved
+        layout.LINE_SEARCH_BYTES, layout._FIRST_BLOCK, layout._BLOCK = saved
     tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
     text = SHAKESPEARE.read_text()[:30_000]
     path.write_text(text)
