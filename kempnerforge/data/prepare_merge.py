@@ -79,6 +79,8 @@ def open_output(out: Path, plan: dict[str, Any], overwrite: bool, removes: bool 
     current = read_plan(out)
     if current is None or current["plan"] != plan["plan"]:
         entries = sorted(p.name for p in out.iterdir())
+        if current is None and entries == [RECORDS_DIR]:
+            entries = []  # another part of this run is creating it (its plan follows): nothing to replace
         if entries and not (overwrite and removes):
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             advice = (
@@ -98,7 +100,7 @@ def open_output(out: Path, plan: dict[str, Any], overwrite: bool, removes: bool 
                 (out / name).unlink(missing_ok=True)
     (out / RECORDS_DIR).mkdir(exist_ok=True)
     if current != plan:
-        atomic_write(out / RECORDS_DIR / PLAN_FILE, lambda f: f.write(json.dumps(plan, indent=2).encode()))
+        atomic_write(out / RECORDS_DIR / PLAN_FILE, lambda f: f.write(json.dumps(plan, indent=2).encode()), unique=True)
 
 
 def part_shards(num_shards: int, parts: int, index: int) -> list[int]:
@@ -157,7 +159,8 @@ def merge_records(out: Path, plan: dict[str, Any], records: list[dict[str, Any]]
         "fingerprint": plan["fingerprint"],
         "shard_bytes": plan["shard_bytes"],
     }
-    atomic_write(out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode()))
+    # Parts sharing a folder may finish together: each writes the same bytes under a temporary name of its own.
+    atomic_write(out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode()), unique=True)
     return metadata
 
 
@@ -226,7 +229,7 @@ def _link_shard(src_dir: Path, out: Path, record: dict[str, Any]) -> None:
         except OSError:  # another filesystem (or no hard links there): a symbolic link, relative when possible
             os.symlink(os.path.relpath(src, out), tmp)
         os.replace(tmp, dst)
-    atomic_write(record_path(out, record["shard"]), lambda f: f.write(json.dumps(record).encode()))
+    atomic_write(record_path(out, record["shard"]), lambda f: f.write(json.dumps(record).encode()), unique=True)
 
 
 def _ranges(items: list[int]) -> str:

@@ -156,7 +156,7 @@ def tokenize_shard(job: Job, shard: int, tok: Any) -> dict[str, Any]:
         **stats,
         "num_records_without_text_field": pieces.missing,
     }
-    atomic_write(record_path(out, shard), lambda f: f.write(json.dumps(record).encode()))
+    atomic_write(record_path(out, shard), lambda f: f.write(json.dumps(record).encode()), unique=True)
     return record
 
 

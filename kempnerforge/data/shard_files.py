@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,13 @@ def is_prepare_artifact(name: str) -> bool:
     return bool(_ARTIFACT_RE.match(name))
 
 
-def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Writes via ``path.tmp`` + fsync + rename, so a crash never leaves a partial ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
+def atomic_write(path: Path, write: Callable[[Any], None], unique: bool = False) -> None:
+    """Writes via ``path.tmp`` + fsync + rename, so a crash never leaves a partial ``path``.
+
+    ``unique``: a temporary name of this call's own (``path.<random hex>.tmp``), for a file that several processes
+    (array parts on several nodes) may write at once with the same content: none renames another's half-written one.
+    """
+    tmp = path.with_name(path.name + (f".{uuid.uuid4().hex[:16]}" if unique else "") + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
         f.flush()

@@ -102,6 +102,24 @@ def test_array_parts_merged_in_any_order(corpus, reference, tmp_path):
     assert _files(shared) == _files(ref_out)
 
 
+def test_array_parts_started_together_in_one_folder(corpus, reference, tmp_path):
+    """3 parts started at once into one empty folder (a SLURM array's first seconds): none refuses the folder the
+    others are creating, the last to finish writes metadata.json, and the output equals one run's."""
+    ref_out, ref_meta = reference
+    out = tmp_path / "shared"
+    cmd = [sys.executable, "-m", "kempnerforge.entry", "prepare-data", "--source", str(corpus), "--tokenizer",
+           str(TOKENIZER), "--output_dir", str(out), "--shard_bytes", str(SHARD_BYTES), "--num_workers", "1",
+           "--num_shards", "3", "--progress", "false", "--shard_index"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([*cmd, str(i)], env=env, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    assert json.loads((out / "metadata.json").read_text()) == ref_meta and _files(out) == _files(ref_out)
+    # The moment another part has made .prepare/ but not yet written its plan: taken as an empty folder.
+    (tmp_path / "racing" / ".prepare").mkdir(parents=True)
+    assert _prepare(corpus, tmp_path / "racing", num_workers=1, num_shards=3, shard_index=0)["part"] == 0
+
+
 def test_merge_names_missing_shards(corpus, tmp_path):
     _prepare(corpus, tmp_path / "p0", num_workers=1, num_shards=3, shard_index=0)
     with pytest.raises(Exception, match=r"12 of 18 shards are not finished in these folders \(shards 6-17\)"):
