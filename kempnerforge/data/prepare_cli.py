@@ -82,7 +82,7 @@ def _merge_main(argv: list[str]) -> None:
     from kempnerforge.data.prepare_merge import merge_prepared
 
     parser = _parser(
-        "kforge prepare-data --merge",
+        "kforge prepare-data",
         "Join the folders written by the array parts of one preparation (--num_shards / --shard_index) into one "
         "folder: shard files are hard-linked (symbolic links across filesystems), never copied; metadata.json last.",
     )
