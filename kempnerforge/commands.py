@@ -21,8 +21,9 @@ LIGHTNING_COMMANDS: dict[str, str] = {
 #: Tools besides the Lightning subcommands: name -> (one line of help, "module:function" taking argv).
 TOOLS: dict[str, tuple[str, str]] = {
     "prepare-data": (
-        "tokenize text (files, folders, jsonl / parquet, datasets folders) into memory-mapped token shards",
-        "kempnerforge.data.prepare:prepare_main",
+        "tokenize text (files, folders, jsonl / parquet, datasets folders) into memory-mapped token shards, on N "
+        "processes or as array parts (--merge joins them)",
+        "kempnerforge.data.prepare_cli:prepare_main",
     ),
     "generate": (
         "sample from a checkpoint (KV cache; --image / --video for vision-language checkpoints)",

@@ -12,7 +12,9 @@ configs, the files and the world size the cluster environment already knows (:fu
 - ``model.init_from``'s safetensors headers against the model's parameters (global rank 0:
   :func:`~kempnerforge.checkpoint.init_from.check_hf_weights`);
 - the mesh: degrees against the world size, the model's and the data's parallel rules
-  (:meth:`KempnerStrategy.check_layout`), the data's lengths against the model (``check_data``);
+  (:meth:`KempnerStrategy.check_layout`), the data's lengths against the model (``check_data``), and the data
+  against the trainer and the data-parallel degree where the data module has a ``check_run`` (a stream: ``max_steps``,
+  ``val_check_interval``, its first rows on global rank 0);
 - ``model.loss_impl=liger`` on a CUDA accelerator with liger-kernel installed (:func:`check_loss_impl`);
 - the checkpoint folder (``fit``, global rank 0): writable, with room for one checkpoint of the estimated
   size (:func:`checkpoint_bytes`); the loggers' folders and the ``data_dir`` a ``data.source`` is prepared into:
@@ -158,11 +160,14 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, world: WorldSpec) -> None:
         verify_checkpoint(resolved)
 
 
-def check_layout(trainer: Any, module: Any, datamodule: Any, world: WorldSpec) -> None:
+def check_layout(trainer: Any, module: Any, datamodule: Any, world: WorldSpec) -> int:
     """The strategy's mesh rules at the world size the job will have, then the data against the model.
 
     The module is attached to the trainer first (``Trainer.fit`` does it again), so its ``validate_parallel``
     sees the strategy's options.
+
+    Returns:
+        The data-parallel degree (distinct data shards; the world size under another strategy).
 
     Raises:
         MeshConfigError / ValueError: the first rule that fails (a degree, naming where the world size comes from).
@@ -171,10 +176,11 @@ def check_layout(trainer: Any, module: Any, datamodule: Any, world: WorldSpec) -
     from kempnerforge.strategies import KempnerStrategy
 
     strategy = trainer.strategy
+    dp = world.size
     if isinstance(strategy, KempnerStrategy):
         module.trainer = trainer
         try:
-            strategy.check_layout(world.size, module, datamodule)
+            dp = strategy.check_layout(world.size, module, datamodule).dp
         except MeshConfigError as err:
             if "world_size" not in str(err):
                 raise
@@ -182,6 +188,7 @@ def check_layout(trainer: Any, module: Any, datamodule: Any, world: WorldSpec) -
     check_data = getattr(module, "check_data", None)
     if callable(check_data):
         check_data(datamodule)
+    return dp
 
 
 def check_loss_impl(trainer: Any, module: Any) -> None:
@@ -345,7 +352,10 @@ def preflight(
 
         check_hf_weights(init_from, module.config)
     check_ckpt_path(strategy, ckpt_path, world)
-    check_layout(trainer, module, datamodule, world)
+    dp = check_layout(trainer, module, datamodule, world)
+    check_run = getattr(datamodule, "check_run", None)
+    if callable(check_run):  # the data against the trainer and the data-parallel degree (a streaming module)
+        check_run(trainer, dp, world.rank)
     check_loss_impl(trainer, module)
     if subcommand == "fit" and world.rank == 0:
         for folder in checkpoint_folders(trainer):

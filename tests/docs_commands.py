@@ -96,7 +96,8 @@ def shell_commands(text: str) -> list[tuple[str, int]]:
 
 def kforge_argv(command: str) -> list[str] | None:
     """The arguments after ``kforge`` of a shell command, or None when it runs no kforge: ``srun [options] kforge``
-    and ``sbatch [options] scripts/slurm/*.sbatch CONFIG ...`` (as ``fit --config CONFIG ...``) count; comments,
+    and ``sbatch [options] scripts/slurm/*.sbatch CONFIG ...`` (as ``fit --config CONFIG ...``; the array template
+    ``prepare_data_array.sbatch PARTS SOURCE TOKENIZER OUTPUT_DIR ...`` as its ``prepare-data`` part 0) count; comments,
     redirections and ``&`` are removed."""
     try:
         words = shlex.split(command, comments=True)
@@ -117,7 +118,12 @@ def kforge_argv(command: str) -> list[str] | None:
         script = next((i for i, w in enumerate(words) if w.endswith(".sbatch")), None)
         if script is None or script + 1 >= len(words):
             return None
-        return ["fit", "--config", *words[script + 1 :]]
+        args = words[script + 1 :]
+        if words[script].endswith("prepare_data_array.sbatch"):  # PARTS SOURCE TOKENIZER OUTPUT_DIR [options]
+            parts, source, tokenizer, out, *rest = [*args, "", "", "", ""][: max(len(args), 4)]
+            return ["prepare-data", "--source", source, "--tokenizer", tokenizer, "--output_dir", out,
+                    "--num_shards", parts, "--shard_index", "0", *rest]  # fmt: skip
+        return ["fit", "--config", *args]
     return words[1:] if words[:1] == ["kforge"] else None
 
 
@@ -284,7 +290,8 @@ def _parse_tool(name: str, args: list[str]) -> str | None:
     import io
 
     parsers = _parsers()
-    parser = parsers.tool_parser(name)
+    mode = next((m for m in parsers.MODES.get(name, ()) if m in args or any(a.startswith(m + "=") for a in args)), None)
+    parser = parsers.tool_parser(name, mode)
     subs = parsers.subparsers(parser)
     if subs:
         if not args or args[0] not in subs:

@@ -100,8 +100,10 @@ class PackedTokenStream(IterableDataset):
         return {"pass": 0, "source": None, "buffer": torch.empty(0, dtype=torch.long), "windows": 0}
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"pass", "source" (the reader's datasets state or None), "buffer" (int64 tokens), "windows"}``."""
-        return {**self._state, "buffer": self._state["buffer"].clone()}
+        """``{"pass", "source" (the reader's datasets state or None), "buffer" (int64 tokens), "windows"}``: where
+        the next window comes from (a loaded state not yet iterated from is returned as loaded)."""
+        state = self._resume if self._resume is not None else self._state
+        return {**state, "buffer": state["buffer"].clone()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Sets where the next ``iter()`` starts; takes effect then."""

@@ -109,9 +109,9 @@ class MemmapTokenDataset(Dataset):
         ValueError: ``seq_len <= 0``.
         FileNotFoundError: missing ``data_dir``, ``metadata.json`` or a listed shard.
         TokenDataError: corrupt shard, dtype mismatch, token count mismatch, metadata
-            ``vocab_size`` above the model's ``vocab_size``, a token id ``>= vocab_size``, a shard
-            (other than the last) shorter than ``seq_len + 1`` tokens, no window at all, or
-            ``document_masking`` without ``eos_id`` in the metadata.
+            ``vocab_size`` above the model's ``vocab_size``, a token id ``>= vocab_size``, no shard of at least
+            ``seq_len + 1`` tokens (a shorter one is skipped with a warning), or ``document_masking`` without
+            ``eos_id`` in the metadata.
     """
 
     def __init__(
@@ -183,27 +183,33 @@ class MemmapTokenDataset(Dataset):
         return arr
 
     def _window_counts(self, arrays: list[np.ndarray]) -> list[int]:
-        """Windows per shard; a short shard is an error, except the last one of several.
+        """Windows per shard; a shard shorter than one window is skipped with a warning (none at all is an error).
 
-        A short last shard is what any corpus whose size is not a multiple of ``shard_size``
-        leaves behind; dropping it loses fewer than ``seq_len + 1`` tokens, no more than the
-        unused tail of every other shard.
+        A shard holds a range of the source (``kforge prepare-data``'s layout), so the last one, or one whose range
+        held a few short documents, may hold fewer than ``seq_len + 1`` tokens: its tokens are left out like the
+        tail of every shard beyond its last window.
+
+        Raises:
+            TokenDataError: no shard holds one window (names the first, or the only, shard and its count).
         """
         window = self.seq_len + 1
-        for i, arr in enumerate(arrays):
-            if len(arr) >= window:
-                continue
-            name = self.metadata["shards"][i]["file"]
-            if i == len(arrays) - 1 and i > 0:
-                warnings.warn(
-                    f"last shard {name!r} of {str(self.data_dir)!r} has {len(arr)} tokens, fewer than "
-                    f"seq_len + 1 = {window}: skipped",
-                    stacklevel=3,
+        short = [i for i, arr in enumerate(arrays) if len(arr) < window]
+        if len(short) == len(arrays):
+            name, n = self.metadata["shards"][0]["file"], len(arrays[0])
+            if len(arrays) == 1:
+                raise TokenDataError(
+                    f"shard {name!r} of {str(self.data_dir)!r} has {n} tokens, fewer than one window of "
+                    f"seq_len + 1 = {window}; lower seq_len or prepare the data with a larger shard_bytes"
                 )
-                continue
             raise TokenDataError(
-                f"shard {name!r} of {str(self.data_dir)!r} has {len(arr)} tokens, fewer than one window of "
-                f"seq_len + 1 = {window}; lower seq_len or prepare the data with a larger shard_size"
+                f"no shard of {str(self.data_dir)!r} holds one window of seq_len + 1 = {window} tokens (the first, "
+                f"{name!r}, has {n}); lower seq_len or prepare the data with a larger shard_bytes"
+            )
+        for i in short:
+            warnings.warn(
+                f"shard {self.metadata['shards'][i]['file']!r} of {str(self.data_dir)!r} has {len(arrays[i])} tokens, "
+                f"fewer than seq_len + 1 = {window}: skipped",
+                stacklevel=3,
             )
         return [max(0, (len(a) - 1) // self.seq_len) for a in arrays]
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,17 +17,24 @@ from typing import Any
 METADATA_FILE = "metadata.json"
 SHARD_PATTERN = "shard_{:05d}.npy"
 # Files prepare_data itself writes; only these are removed by overwrite=True.
-_ARTIFACT_RE = re.compile(r"^((shard|mask|offsets)_\d{5}\.npy|metadata\.json)(\.tmp)?$")  # mask/offsets: chat data
+_ARTIFACT_RE = re.compile(
+    r"^((shard|mask|offsets)_\d{5,}\.npy|metadata\.json)(\.tmp)?$|^\.prepare$"
+)  # mask/offsets: chat
 
 
 def is_prepare_artifact(name: str) -> bool:
-    """True for file names :func:`prepare_data` writes (shards, metadata, their ``.tmp`` files)."""
+    """True for file names :func:`prepare_data` writes (shards, metadata, their ``.tmp`` files, the ``.prepare`` records
+    folder)."""
     return bool(_ARTIFACT_RE.match(name))
 
 
-def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
-    """Writes via ``path.tmp`` + fsync + rename, so a crash never leaves a partial ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
+def atomic_write(path: Path, write: Callable[[Any], None], unique: bool = False) -> None:
+    """Writes via ``path.tmp`` + fsync + rename, so a crash never leaves a partial ``path``.
+
+    ``unique``: a temporary name of this call's own (``path.<random hex>.tmp``), for a file that several processes
+    (array parts on several nodes) may write at once with the same content: none renames another's half-written one.
+    """
+    tmp = path.with_name(path.name + (f".{uuid.uuid4().hex[:16]}" if unique else "") + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
@@ -56,4 +65,7 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
     (output_dir / METADATA_FILE).unlink(missing_ok=True)
     for name in entries:
         if is_prepare_artifact(name):
-            (output_dir / name).unlink(missing_ok=True)
+            if (output_dir / name).is_dir():  # .prepare: a text preparation's records
+                shutil.rmtree(output_dir / name, ignore_errors=True)
+            else:
+                (output_dir / name).unlink(missing_ok=True)

@@ -115,3 +115,38 @@ def source_fingerprint(source: str | dict[str, Any], tokenizer: str, text_field:
         described = {"path": str(Path(source).expanduser().resolve()), "files": _file_stamps([Path(source)])}
     blob = json.dumps([described, tokenizer_fingerprint(tokenizer), text_field], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+#: Builders of ``datasets.load_dataset`` for local files, by suffix (``.txt``: one document per file).
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".arrow": "arrow"}
+
+
+def path_spec(source: str) -> dict[str, Any]:
+    """The ``datasets.load_dataset`` spec that streams ``source``: a ``.jsonl``/``.json``/``.parquet``/``.txt``
+    file, a folder of one of these kinds (recursive, sorted, hidden files skipped), a glob pattern, or a
+    ``datasets.save_to_disk`` folder (its ``.arrow`` files, the ``train`` split of a ``DatasetDict``). A ``.txt``
+    file is one document (``sample_by="document"``), as in ``kforge prepare-data``.
+
+    Raises:
+        ValueError: nothing matches, no supported file, or several kinds in one source.
+    """
+    root = Path(source).expanduser()
+    if root.is_dir() and (root / "dataset_dict.json").is_file():
+        root = root / "train" if (root / "train").is_dir() else next(p for p in sorted(root.iterdir()) if p.is_dir())
+    if root.is_dir() and (root / "state.json").is_file():
+        files = sorted(root.glob("*.arrow"))
+    else:
+        matches = [Path(m) for m in sorted(glob.glob(str(root), recursive=True))]
+        if not matches:
+            raise ValueError(f"{source!r} does not exist (a local file, folder or glob pattern)")
+        files = [f for m in matches for f in ([m] if m.is_file() else sorted(m.rglob("*"))) if f.is_file()]
+        files = [f for f in files if f.suffix in _BUILDERS and not f.name.startswith(".")]
+    if not files:
+        raise ValueError(f"{source!r} holds no .jsonl/.json/.parquet/.txt file or save_to_disk folder")
+    builders = sorted({_BUILDERS[f.suffix] for f in files})
+    if len(builders) > 1:
+        raise ValueError(f"{source!r} mixes kinds {builders}; give one kind per source")
+    spec: dict[str, Any] = {"path": builders[0], "data_files": [str(f.resolve()) for f in files]}
+    if builders[0] == "text":
+        spec["sample_by"] = "document"
+    return spec

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fields import fields, markdown_help, table
-from parsers import fit_parser, subparsers, tool_parser
+from parsers import MODES, fit_parser, subparsers, tool_parser
 
 #: Where each training subcommand's ``--model.*`` / ``--data.*`` / ``--trainer.*`` fields are documented.
 CONFIG_PAGE = "config.md"
@@ -14,7 +14,12 @@ def _tool_section(name: str) -> list[str]:
     out = [f"## `kforge {name}`", "", markdown_help(parser.description), ""]
     subs = subparsers(parser)
     if not subs:
-        return [*out, table(fields(parser)), ""]
+        out += [table(fields(parser)), ""]
+        for mode in MODES.get(name, ()):
+            other = tool_parser(name, mode)
+            out += [f"### `kforge {name} {mode}`", "", markdown_help(other.description or ""), "",
+                    table(fields(other)), ""]  # fmt: skip
+        return out
     for sub, sub_parser in subs.items():
         out += [f"### `kforge {name} {sub}`", "", markdown_help(sub_parser.description or ""), "",
                 table(fields(sub_parser)), ""]  # fmt: skip

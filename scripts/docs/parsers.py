@@ -17,6 +17,8 @@ from typing import Any
 
 #: Arguments of the parsers' entry points when captured: none (the capture happens before any is read).
 _NO_ARGS: list[str] = []
+#: Options that switch a tool to a parser of its own (``kforge prepare-data --merge DIR...`` joins array parts).
+MODES: dict[str, tuple[str, ...]] = {"prepare-data": ("--merge",)}
 
 
 class _Captured(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -45,8 +47,9 @@ def _capturing() -> Iterator[None]:
             setattr(cls, name, original)
 
 
-def tool_parser(name: str) -> argparse.ArgumentParser:
-    """The parser ``kforge <name>`` parses its arguments with (``name`` a key of ``TOOLS``).
+def tool_parser(name: str, mode: str | None = None) -> argparse.ArgumentParser:
+    """The parser ``kforge <name>`` parses its arguments with (``name`` a key of ``TOOLS``); with ``mode`` (one of
+    :data:`MODES`), the one that option switches to.
 
     Raises:
         RuntimeError: the tool's entry function returned without parsing anything.
@@ -57,7 +60,7 @@ def tool_parser(name: str) -> argparse.ArgumentParser:
     entry = getattr(importlib.import_module(module_name), func)
     with _capturing():
         try:
-            entry(list(_NO_ARGS))
+            entry([mode] if mode else list(_NO_ARGS))
         except _Captured as found:
             return found.parser
     raise RuntimeError(f"kforge {name} parsed no arguments")

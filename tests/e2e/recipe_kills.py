@@ -61,12 +61,12 @@ def _is(callback: dict, name: str) -> bool:
 
 def recipe_config(
     tmp: Path, recipe: str, steps: int, tokens: Path | None = None, hf_folder: Path | None = None,
-    preemption: bool = False, procs: int | None = None, name: str = "cfg.yaml",
+    preemption: bool = False, procs: int | None = None, name: str = "cfg.yaml", data: dict | None = None,
 ) -> Path:  # fmt: skip
     """``configs/<recipe>.yaml`` at a tiny shape for ``procs`` processes: ``steps`` steps, a CSV loss every step,
     no validation, a checkpoint every 3 steps into ``tmp/ckpt``; text recipes read ``tokens`` (a token folder),
-    ``finetune_debug`` starts from ``hf_folder``. ``preemption``: add ``Preemption(check_every_s=0)``. Written to
-    ``tmp/name``; returns its path."""
+    or ``data`` (a whole ``data:`` block, e.g. a streaming module's) in its stead; ``finetune_debug`` starts from
+    ``hf_folder``. ``preemption``: add ``Preemption(check_every_s=0)``. Written to ``tmp/name``; returns its path."""
     cfg = yaml.safe_load((REPO / "configs" / f"{recipe}.yaml").read_text())
     trainer = cfg["trainer"]
     trainer.update(
@@ -84,7 +84,10 @@ def recipe_config(
     model = cfg["model"].get("init_args", cfg["model"])
     if recipe in TEXT_RECIPES:
         # pp_debug: its 4 pipeline micro-batches must divide the micro-batch.
-        cfg["data"].update(data_dir=str(tokens), seq_len=32, micro_batch_size=4 if recipe == "pp_debug" else 2)
+        if data is not None:
+            cfg["data"] = data
+        else:
+            cfg["data"].update(data_dir=str(tokens), seq_len=32, micro_batch_size=4 if recipe == "pp_debug" else 2)
         if recipe == "finetune_debug":
             model["init_from"] = str(hf_folder)
             cfg["data"]["tokenizer"] = str(REPO / "data" / "tokenizers" / "gpt2")
@@ -117,17 +120,18 @@ def _kill_once(cfg: Path, tmp: Path, rng: random.Random, result: KillResult, env
 
 def kill_recipe(
     root: Path, recipe: str, steps: int, kills: int, tokens: Path | None = None, hf_folder: Path | None = None,
-    procs: int | None = None, seed: int | None = None, preemption_first: bool = False,
+    procs: int | None = None, seed: int | None = None, preemption_first: bool = False, data: dict | None = None,
 ) -> KillResult:  # fmt: skip
     """Kill ``recipe`` ``kills`` times, alternating between the recipe's own callbacks and an explicit ``Preemption``
     added (``preemption_first``: start with the latter), in one checkpoint folder (each run resumes the last), then
-    finish it with the recipe's callbacks and compare every step's loss with an uninterrupted run's.
+    finish it with the recipe's callbacks and compare every step's loss with an uninterrupted run's. ``data``: a
+    text recipe's ``data:`` block instead of ``tokens`` (:func:`recipe_config`).
 
     Returns:
         A :class:`KillResult` (check ``ok``; the figures are for the report).
     """
     env = {"OMP_NUM_THREADS": "1"}
-    kw = {"tokens": tokens, "hf_folder": hf_folder, "procs": procs}
+    kw = {"tokens": tokens, "hf_folder": hf_folder, "procs": procs, "data": data}
     (root / "reference").mkdir(parents=True), (root / "killed").mkdir()
     ref_cfg = recipe_config(root / "reference", recipe, steps, **kw)
     result = KillResult(recipe)

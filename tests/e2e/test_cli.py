@@ -93,7 +93,7 @@ def test_prepare_data_hangs_off_the_same_entry_point(tmp_path, shakespeare_text,
         ("missing_source", "--source: '/nonexistent/corpus' does not exist"),
         ("missing_tokenizer", "--tokenizer: '/nonexistent/tok' does not exist"),
         ("text_field", "--text_field: text_field='body' is not a column"),
-        ("shard_size", "--shard_size: shard_size must be a positive integer, got 0"),
+        ("shard_bytes", "--shard_bytes: shard_bytes must be a positive integer, got 0"),
         ("unknown_option", "--bogus: unknown option"),
         ("abbreviation", "--out: unknown option"),
     ],
@@ -111,7 +111,7 @@ def test_prepare_data_bad_input_is_one_line(case, expected, tmp_path, gpt2_token
         "missing_source": {"--source": "/nonexistent/corpus"},
         "missing_tokenizer": {"--tokenizer": "/nonexistent/tok"},
         "text_field": {"--text_field": "body"},
-        "shard_size": {"--shard_size": "0"},
+        "shard_bytes": {"--shard_bytes": "0"},
         "unknown_option": {"--bogus": "1"},
     }.get(case, {})
     argv = [x for kv in {**args, **extra}.items() for x in kv]

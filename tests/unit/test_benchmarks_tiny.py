@@ -29,6 +29,7 @@ SCRIPTS = {
     "compile_parts": "benchmarks/compile_parts.py",
     "chunked_ce_memory": "benchmarks/chunked_ce_memory.py",
     "startup": "benchmarks/startup.py",
+    "data_io": "benchmarks/data_io.py",
 }
 #: Every file of benchmarks/ and the test that runs it at a tiny shape (issue 29: none may break unnoticed).
 RUN_BY = {
@@ -152,3 +153,19 @@ def test_startup_reports_the_import_breakdown_without_timed_pairs(tmp_path):
     result = _run("startup", "--pairs", "0", "--phase-runs", "0", tmp=tmp_path)
     assert result["pairs"] == [] and result["phases"] == {}
     assert _positive(result["imports"]["total_self_s"]) and "torch" in result["imports"]["self_s_by_package"]
+
+
+def test_data_io_variants_count_the_same_tokens_and_the_loaders_report(tmp_path):
+    """Issue 30 item 5 at a tiny shape: every tokenizing variant (raw encode_batch, prepare-data at 1 and 2 workers,
+    datasets.map) counts the same tokens of the same text, the ratios are finite, both loaders deliver batches."""
+    tiny = ["--mb", "0.2", "--workers", "2", "--shard-bytes", "65536", "--repeats", "1", "--loader-seq", "128",
+            "--loader-batches", "3", "--loader-warmup", "1"]  # fmt: skip
+    result = _run("data_io", *tiny, tmp=tmp_path)
+    t = result["tokenize"]
+    assert set(t["best"]) == {"encode_batch_1@1", "encode_batch@2", "prepare@1", "prepare@2", "datasets_map@2"}
+    assert len(t["tokens"]) == 1 and t["tokens"][0] > 40_000  # one count: the same ids, EOS per document included
+    assert all(_positive(r["tokens_per_s"]) and _positive(r["tokens_per_cpu_s"]) for r in t["best"].values())
+    assert all(_positive(v) for v in [*t["wall_ratios"].values(), *t["cpu_ratios"].values()])
+    loader = result["loader"]
+    assert loader["tokens_per_step_per_rank"] == 8192 and loader["flops_per_token"] > 5e10  # the 8B recipe's shape
+    assert all(_positive(row["tokens_per_s_per_rank"]) for row in loader["loaders"].values())

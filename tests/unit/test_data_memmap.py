@@ -19,10 +19,10 @@ SHAKESPEARE = REPO / "data" / "tinyshakespeare" / "input.txt"
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
-    """About 5.7k GPT-2 tokens of Shakespeare in shards of 1400 tokens (the last one 448)."""
+    """About 5.7k GPT-2 tokens of Shakespeare in 4 shards of about 1.4k tokens (5,000 source bytes each)."""
     root = tmp_path_factory.mktemp("memmap")
     (root / "a.txt").write_text(SHAKESPEARE.read_text()[:20_000])
-    prepare_data(str(root / "a.txt"), str(TOKENIZER), str(root / "out"), shard_size=1400, progress=False)
+    prepare_data(str(root / "a.txt"), str(TOKENIZER), str(root / "out"), shard_bytes=5000, progress=False)
     return root / "out"
 
 
@@ -58,7 +58,8 @@ def test_windows_and_labels_match_raw_tokens(prepared):
     # Expected windows, shard by shard: never across a shard boundary.
     expected = [r[k * seq_len : k * seq_len + seq_len + 1] for r in raw for k in range((len(r) - 1) // seq_len)]
     assert len(ds) == len(expected) == sum((len(r) - 1) // seq_len for r in raw)
-    for i in (0, 1, 20, 21, len(ds) - 1):  # 1400-token shards hold 21 windows of 64
+    first_shard = (len(raw[0]) - 1) // seq_len
+    for i in (0, 1, first_shard - 1, first_shard, len(ds) - 1):  # the last window of a shard, the first of the next
         item = ds[i]
         assert item["input_ids"].dtype == torch.long and item["input_ids"].shape == (seq_len,)
         assert item["input_ids"].tolist() == expected[i][:-1].tolist()
@@ -171,25 +172,28 @@ def test_old_metadata_without_a_record_is_scanned_once_and_says_so(tmp_path):
         assert len(MemmapTokenDataset(tmp_path, 8, check_token_ids=False)) == 6 + 7
 
 
-def test_short_shard_names_shard_and_count(tmp_path):
+def test_short_shard_is_skipped_with_a_warning_naming_it(tmp_path):
+    """A shard holds a range of the source (prepare-data's layout), so one may hold less than a window: its tokens
+    are skipped, as a shard's tail beyond its last window is, with a warning naming it and the count."""
     write_folder(tmp_path, [np.arange(50), np.arange(5), np.arange(50)])
-    with pytest.raises(
-        TokenDataError,
-        match=r"shard 'shard_00001.npy' .* has 5 tokens, fewer than one window of seq_len \+ 1 = 9",
-    ):
-        MemmapTokenDataset(tmp_path, 8)
+    with pytest.warns(UserWarning, match=r"shard 'shard_00001.npy' .* has 5 tokens, fewer than seq_len \+ 1 = 9"):
+        ds = MemmapTokenDataset(tmp_path, 8)
+    assert len(ds) == 6 + 6 and ds[6]["input_ids"].tolist() == list(range(8))  # shard 2's first window follows
 
 
 def test_single_shard_shorter_than_one_window(tmp_path):
     write_folder(tmp_path, [np.arange(8)])
     with pytest.raises(TokenDataError, match=r"shard 'shard_00000.npy' .* has 8 tokens, fewer than one window"):
         MemmapTokenDataset(tmp_path, 8)
+    write_folder(tmp_path, [np.arange(8), np.arange(3)])
+    with pytest.raises(TokenDataError, match=r"no shard of .* holds one window of seq_len \+ 1 = 9 tokens"):
+        MemmapTokenDataset(tmp_path, 8)
 
 
 def test_short_last_shard_is_skipped_with_warning(tmp_path):
-    """The remainder shard of a corpus (not a multiple of shard_size) is dropped, not an error."""
+    """The remainder shard of a corpus is dropped, not an error."""
     write_folder(tmp_path, [np.arange(50), np.arange(3)])
-    with pytest.warns(UserWarning, match=r"last shard 'shard_00001.npy' .* has 3 tokens, fewer than seq_len \+ 1 = 9"):
+    with pytest.warns(UserWarning, match=r"shard 'shard_00001.npy' .* has 3 tokens, fewer than seq_len \+ 1 = 9"):
         ds = MemmapTokenDataset(tmp_path, 8)
     assert len(ds) == 6 and ds[5]["labels"].tolist() == list(range(41, 49))
 

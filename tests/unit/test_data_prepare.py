@@ -143,25 +143,34 @@ def test_missing_text_field_names_field_and_columns(tmp_path):
 
 
 def test_shard_splitting(tmp_path, tok, text):
+    """Each shard holds about shard_bytes of the file, cut where the tokenization does not change: the shards'
+    tokens are the file's, EOS once at the end; every shard but the last ends in the middle of the document."""
     src = tmp_path / "a.txt"
     src.write_text(text)
-    meta = run(src, tmp_path / "out", shard_size=1000)
+    meta = run(src, tmp_path / "out", shard_bytes=4000)
     sizes = [s["num_tokens"] for s in meta["shards"]]
-    assert sizes[:-1] == [1000] * (len(sizes) - 1) and 0 < sizes[-1] <= 1000 and sum(sizes) == meta["num_tokens"]
+    assert len(sizes) == -(-len(text.encode()) // 4000) and sum(sizes) == meta["num_tokens"]
     assert [s["file"] for s in meta["shards"]] == [f"shard_{i:05d}.npy" for i in range(len(sizes))]
     assert read_tokens(tmp_path / "out").tolist() == encode_docs(tok, [text])
+    shards = [np.load(tmp_path / "out" / s["file"]) for s in meta["shards"]]
+    assert all(EOS not in s for s in shards[:-1]) and shards[-1][-1] == EOS
+    assert meta["shard_bytes"] == 4000
 
 
 def test_refuses_non_empty_output_unless_overwrite(tmp_path, text):
     src = tmp_path / "a.txt"
     src.write_text(text)
     out = tmp_path / "out"
-    assert len(run(src, out, shard_size=1000)["shards"]) > 2
+    assert len(run(src, out, shard_bytes=4000)["shards"]) > 2
     with pytest.raises(FileExistsError, match=r"output_dir .* is not empty .*overwrite=True"):
-        run(src, out)
+        run(src, out)  # another shard_bytes: another preparation
+    (out / "notes.md").write_text("mine")
     meta = run(src, out, overwrite=True)
     assert len(meta["shards"]) == 1
-    assert sorted(p.name for p in out.iterdir()) == ["metadata.json", "shard_00000.npy"]  # stale shards gone
+    # Stale shards and records gone, the user's file kept.
+    assert sorted(p.name for p in out.iterdir()) == [".prepare", "metadata.json", "notes.md", "shard_00000.npy"]
+    assert sorted(p.name for p in (out / ".prepare").iterdir()) == ["plan.json", "shard_00000.json"]
+    assert run(src, out) == meta  # the same inputs again: nothing to do, the same metadata
 
 
 def test_missing_tokenizer_and_source(tmp_path):
@@ -234,4 +243,4 @@ def test_cli_prepare_main(tmp_path, tok, capsys):
     assert "wrote 3 tokens (1 documents, 1 shards, uint16)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         prepare_main(["--help"])
-    assert "tokens per shard" in capsys.readouterr().out  # per-argument docstrings in --help
+    assert "source bytes per shard" in capsys.readouterr().out  # per-argument docstrings in --help

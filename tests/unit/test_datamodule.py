@@ -275,7 +275,7 @@ def test_prepare_data_hook_tokenizes_source(source, tmp_path):
     (data_dir / "shard_00007.npy").write_bytes(b"left over by a crashed run")
     dm = TokenDataModule(str(data_dir), seq_len=64, source=str(source), tokenizer=str(TOKENIZER))
     dm.prepare_data()
-    assert sorted(p.name for p in data_dir.iterdir()) == ["metadata.json", "shard_00000.npy"]
+    assert sorted(p.name for p in data_dir.iterdir()) == [".prepare", "metadata.json", "shard_00000.npy"]
     mtime = (data_dir / "metadata.json").stat().st_mtime_ns
     dm.prepare_data()  # already prepared: a no-op
     assert (data_dir / "metadata.json").stat().st_mtime_ns == mtime

@@ -190,7 +190,118 @@ def test_spec_errors(spec, message):
 
 
 def test_module_errors(spec):
-    with pytest.raises(ValueError, match="micro_batch_size must be a positive integer"):
+    with pytest.raises(ValueError, match="micro_batch_size=0 must be a positive integer"):
         StreamingTokenDataModule(spec, TOKENIZER, micro_batch_size=0)
     with pytest.raises(ValueError, match=r"vocab_size=50257 > the model's vocab_size=1000"):
         StreamingTokenDataModule(spec, TOKENIZER, vocab_size=1000)
+
+
+# -- issue 30 item 2: paths as sources, mixtures, the checks before the rendezvous ------------------------------------
+
+
+def test_paths_stream_like_their_specs(rows, spec, tmp_path):
+    """A jsonl file, a folder of parquet files and a .txt file given as paths stream the windows of the same data."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from kempnerforge.data.sources import path_spec
+
+    (tmp_path / "pq").mkdir()
+    for i, part in enumerate([rows[:60], rows[60:]]):
+        pq.write_table(pa.Table.from_pylist([{"text": r} for r in part]), tmp_path / "pq" / f"{i}.parquet")
+    assert path_spec(spec["data_files"]) == {"path": "json", "data_files": [spec["data_files"]]}
+    for source in (spec["data_files"], str(tmp_path / "pq")):
+        got = windows(PackedTokenStream(path_spec(source), TOKENIZER, SEQ, repeat=False))
+        assert got == expected_windows(rows), source
+    (tmp_path / "a.txt").write_text("\n\n".join(rows))  # one document: one EOS at its end
+    got = windows(PackedTokenStream(path_spec(str(tmp_path / "a.txt")), TOKENIZER, SEQ, repeat=False))
+    assert got == expected_windows(["\n\n".join(rows)])
+    with pytest.raises(ValueError, match="mixes kinds"):
+        (tmp_path / "pq" / "x.txt").write_text("hi")
+        path_spec(str(tmp_path / "pq"))
+
+
+@pytest.fixture(scope="module")
+def two_specs(rows, tmp_path_factory) -> list[dict]:
+    """Two sources: the first 60 and the last 60 paragraphs (jsonl, parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("mix")
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows[:60]))
+    pq.write_table(pa.Table.from_pylist([{"text": r} for r in rows[60:]]), root / "b.parquet")
+    return [
+        {"path": "json", "data_files": str(root / "a.jsonl")},
+        {"path": "parquet", "data_files": str(root / "b.parquet")},
+    ]
+
+
+def test_mixture_draws_and_windows_and_exact_resume(two_specs, rows):
+    """Each window's source is the counter-based draw of the weights (w^(1/T) normalized), each source's windows come
+    in that source's own order, and 13 + resume + 19 batches (2 workers) equal 32 uninterrupted batches."""
+    import numpy as np
+
+    from kempnerforge.data.stream_mixture import CHUNK, StreamingSource
+
+    sources = [StreamingSource("a", two_specs[0], 3.0), StreamingSource("b", two_specs[1], 1.0)]
+    dm = StreamingTokenDataModule(tokenizer=TOKENIZER, seq_len=SEQ, micro_batch_size=4, sources=sources,
+                                  temperature=2.0, data_seed=7)  # fmt: skip
+    p = np.array([3.0, 1.0]) ** 0.5 / (np.array([3.0, 1.0]) ** 0.5).sum()
+    got = [b for b, _ in zip(dm.train_dataloader(), range(10), strict=False)]
+    srcs = [int(x) for b in got for x in b["source"]]
+    u = np.random.default_rng([7, 0, 0]).random(CHUNK)[:40]
+    assert srcs == np.searchsorted(np.cumsum(p), u, side="right").tolist()
+    per_source = [expected_windows(rows[:60]), expected_windows(rows[60:])]
+    seen = [0, 0]
+    for window, src in zip(windows({k: b[k][i] for k in b} for b in got for i in range(4)), srcs, strict=True):
+        assert window == per_source[src][seen[src]]  # 40 windows: both sources still in their first pass
+        seen[src] += 1
+    assert 0 < seen[1] < seen[0] and seen[0] < len(per_source[0])
+
+    def loader():
+        dm.num_workers = 2
+        return dm.train_dataloader()
+
+    ref, _ = batches(loader(), 32)
+    first = loader()
+    part, _ = batches(first, 13)
+    state = first.state_dict()
+    again = loader()
+    again.load_state_dict(state)
+    rest, _ = batches(again, 19)
+    assert part + rest == ref
+    # A source not drawn since a resume reports the state it was resumed with, not a fresh one.
+    mixed = dm.train_dataloader().dataset
+    saved = {"windows": 5, "sources": [{**mixed.streams[0].state_dict(), "windows": 3}, mixed.streams[1].state_dict()]}
+    mixed.load_state_dict(saved)
+    assert mixed.streams[0].state_dict()["windows"] == 3
+
+
+def test_check_run_refuses_before_the_rendezvous(spec, tmp_path):
+    from types import SimpleNamespace
+
+    from kempnerforge.errors import UserError
+
+    dm = StreamingTokenDataModule(spec["data_files"], TOKENIZER, seq_len=SEQ, val_source=spec, num_workers=2)
+    ok = SimpleNamespace(max_steps=10, val_check_interval=5)
+    dm.check_run(ok, dp_size=2, global_rank=0)
+    with pytest.raises(UserError, match="must be a positive integer") as err:
+        dm.check_run(SimpleNamespace(max_steps=-1, val_check_interval=5), 1, 0)
+    assert err.value.field == "trainer.max_steps"
+    with pytest.raises(UserError, match="must be an integer number of steps") as err:
+        dm.check_run(SimpleNamespace(max_steps=10, val_check_interval=1.0), 1, 0)
+    assert err.value.field == "trainer.val_check_interval"
+    with pytest.raises(UserError, match=r"has 120 rows, fewer than its 150 readers") as err:
+        dm.check_run(ok, dp_size=75, global_rank=0)
+    assert err.value.field == "data.num_workers"
+    dm.check_run(ok, dp_size=75, global_rank=1)  # other ranks read nothing
+    dm.text_field = "body"
+    with pytest.raises(UserError, match=r"text_field='body' is not a text column of data.source \(its first row has"):
+        dm.check_run(ok, dp_size=1, global_rank=0)
+    with pytest.raises(UserError, match=r"data.sources\[1\].source: '/no/x.jsonl' does not exist") as err:
+        from kempnerforge.data.stream_mixture import StreamingSource
+
+        StreamingTokenDataModule(
+            tokenizer=TOKENIZER, sources=[StreamingSource("a", spec), StreamingSource("b", "/no/x.jsonl")]
+        )
+    assert err.value.field == "data.sources[1].source"

@@ -3,6 +3,7 @@ and ``kforge check-env``'s report and exit codes."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -95,6 +96,33 @@ def test_sigterm_to_batch_shell_reaches_srun(fake_slurm, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
     assert (log / "srun_signal").read_text().strip() == "TERM"
+
+
+def test_prepare_data_array_tasks_write_one_preparation(fake_slurm, tmp_path):
+    """Issue 30 item 1: two array tasks of prepare_data_array.sbatch (task 1 first) run ``kforge prepare-data`` as
+    parts 1 and 0 of 2 into one folder; the second to finish writes metadata.json, and the shards equal one run's."""
+    from kempnerforge.data.prepare import prepare_data
+
+    env, log = fake_slurm
+    env = {**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}  # the real kforge, next to this python
+    src = tmp_path / "corpus.txt"
+    src.write_text((REPO / "data" / "tinyshakespeare" / "input.txt").read_text()[:60_000])
+    tok, out = str(REPO / "data" / "tokenizers" / "gpt2"), tmp_path / "tokens"
+    script = str(REPO / "scripts" / "slurm" / "prepare_data_array.sbatch")
+    for task in ("1", "0"):
+        proc = subprocess.run(["sbatch", script, "2", str(src), tok, str(out), "--shard_bytes", "15000"],
+                              env={**env, "SLURM_ARRAY_TASK_ID": task}, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert ("wrote" in proc.stdout) == (task == "0"), proc.stdout
+    assert "--array" not in (log / "directives").read_text() and "--requeue" in (log / "directives").read_text()
+    whole = prepare_data(str(src), tok, str(tmp_path / "whole"), progress=False, shard_bytes=15000)
+    assert json.loads((out / "metadata.json").read_text()) == whole and len(whole["shards"]) == 4
+    for shard in whole["shards"]:
+        assert (out / shard["file"]).read_bytes() == (tmp_path / "whole" / shard["file"]).read_bytes()
+    bad = subprocess.run(["sbatch", script, "2", str(src), tok, str(out)], env={**env, "SLURM_ARRAY_TASK_ID": "2"},
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "array task 2 is not a part of PARTS=2" in bad.stderr
 
 
 def _env(tmp_path, **extra):
