@@ -76,7 +76,8 @@ from kempnerforge.checkpoint.layout import (
     rank_file,
     write_latest,
 )
-from kempnerforge.checkpoint.verify import NamingFileSystemReader
+from kempnerforge.checkpoint.save_planner import SmallReplicasOnRankZero
+from kempnerforge.checkpoint.verify import NamingFileSystemReader, verify_rank_files
 
 __all__ = [
     "COMPLETE_FILE",
@@ -154,15 +155,6 @@ def _failed_save(err: BaseException, tmp: Path, path: Path, needed: int) -> None
         raise space_error(code, path, needed) from err
 
 
-def _load_file(file: Path, manifests: Manifests | None = None) -> Any:
-    if manifests is not None:
-        manifests.check(file.name)  # before unpickling: overwritten bytes would otherwise load
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CorruptCheckpointError(f"{file} cannot be loaded: {type(err).__name__}: {err}", file) from err
-
-
 def staging_options(state: dict[str, Any]) -> StagingOptions:
     """DCP staging for ``state``: pinned host buffers and non-blocking device-to-host copies when its tensors
     are on CUDA, a plain host copy otherwise (no shared memory: DCP's upload is a thread, not a process)."""
@@ -200,6 +192,7 @@ class DCPCheckpointIO(CheckpointIO):
         self._stager: DefaultStager | None = None
         self._async_group: Any = None
         self._commit_hooks: list[Callable[[Path], None]] = []
+        self._manifests: tuple[Path, Manifests] | None = None  # the checkpoint being restored and its records
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -247,12 +240,17 @@ class DCPCheckpointIO(CheckpointIO):
                     self._stager = DefaultStager(staging_options(sharded))
                 # The stager's device-to-host copy is the only part on this thread; DCP's upload thread writes.
                 upload = dcp.async_save(
-                    sharded, checkpoint_id=tmp, storage_writer=writer, process_group=group, async_stager=self._stager
+                    sharded,
+                    checkpoint_id=tmp,
+                    storage_writer=writer,
+                    planner=SmallReplicasOnRankZero(),
+                    process_group=group,
+                    async_stager=self._stager,
                 )
                 stall = time.perf_counter() - start
                 self._submit(self._finish_async, upload, tmp, path, group, needed, record, (start, stall, step))
                 return
-            dcp.save(sharded, checkpoint_id=tmp, storage_writer=writer)
+            dcp.save(sharded, checkpoint_id=tmp, storage_writer=writer, planner=SmallReplicasOnRankZero())
             write_manifest(tmp, _rank(), record)
         except BaseException as err:
             _failed_save(err, tmp, path, needed)
@@ -403,41 +401,39 @@ class DCPCheckpointIO(CheckpointIO):
 
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        """Load ``meta.pt`` and this rank's ``rank_state`` (sharded tensors load via :meth:`load_sharded`).
+        """Load ``meta.pt`` and this rank's ``rank_state`` (sharded tensors load via :meth:`load_sharded`), after
+        checking the files this rank reads and no other (:func:`~kempnerforge.checkpoint.verify.verify_rank_files`:
+        ``.metadata``, ``meta.pt``, its state file).
 
         Always unpickles with ``weights_only=True``: checkpoints never execute arbitrary code.
 
         Raises:
             CheckpointError: from :meth:`resolve`.
-            CorruptCheckpointError: ``meta.pt`` or this rank's state file is missing, fails its checksum or does not load
-                (names it).
+            CorruptCheckpointError: ``.metadata``, ``meta.pt`` or this rank's state file is missing, fails its checksum
+                or does not load (names it).
 
         Returns:
             Lightning's checkpoint dict without model/optimizer tensors, plus ``rank_state`` (this
             rank's entry; rank 0's when the checkpoint was written by fewer ranks) and ``world_size``.
         """
         path = self.resolve(path)
-        manifests = Manifests(path)  # this rank checks only the files it reads (their writers' records)
-        meta = _load_file(path / META_FILE, manifests)
-        own = rank_file(path, _rank())
-        if _rank() >= int(meta.get("world_size", 1)):
-            # The world grew: every dp rank saved the same dataloader position, so rank 0's serves
-            # (merge_rank_state remaps it if the data-parallel degree changed).
-            own = rank_file(path, 0)
-        if not own.is_file():
-            raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {own} is missing", own)
-        meta["rank_state"] = _load_file(own, manifests)
-        return meta
+        # This rank checks only the files it reads (their writers' records); the DCP loads that follow share the
+        # records, so a file is hashed once per restore.
+        self._manifests = (path, Manifests(path))
+        return verify_rank_files(path, _rank(), self._manifests[1])
 
-    @staticmethod
-    def load_sharded(state: dict[str, Any], path: Path) -> None:
-        """DCP-load into the (sharded) state dicts of ``state`` in place, resharding as needed.
+    def load_sharded(self, state: dict[str, Any], path: Path) -> None:
+        """DCP-load into the (sharded) state dicts of ``state`` in place, resharding as needed; this rank checks the
+        shard files of its read plan first (:class:`~kempnerforge.checkpoint.verify.NamingFileSystemReader`, with
+        the records :meth:`load_checkpoint` read for the same checkpoint).
 
         Raises:
             CheckpointException: DCP's, on every rank when any rank's read failed; a shard that cannot be read
                 is named by a :class:`CorruptCheckpointError` inside it (:func:`~kempnerforge.checkpoint.verify.first_failure`).
         """
-        dcp.load(state, storage_reader=NamingFileSystemReader(path))
+        known = self._manifests
+        manifests = known[1].sibling(context=False) if known is not None and known[0] == Path(path) else None
+        dcp.load(state, storage_reader=NamingFileSystemReader(path, manifests=manifests))
 
     # -- deleting --------------------------------------------------------------------------------
 
