@@ -33,6 +33,7 @@ from kempnerforge.checkpoint.sharded_state import (
     load_model_and_optimizers,
     model_state,
     optimizer_state,
+    unwrap_optimizer,
 )
 from kempnerforge.checkpoint.train_state import check_accumulation, merge_rank_state, split_rank_state
 from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure
@@ -156,7 +157,8 @@ class KempnerStrategy(ModelParallelStrategy):
             the heap can fragment and grow when several models with different shapes allocate in one
             process, so it is off by default. No effect on CUDA runs.
         async_checkpoint: the training thread only copies each rank's shards to host memory (DCP's
-            ``DefaultStager``: pinned buffers on CUDA); DCP writes them in the background, and the
+            ``DefaultStager``: pinned buffers on CUDA, allocated in the background after the first optimizer step
+            when a ``ModelCheckpoint`` will save); DCP writes them in the background, and the
             ``COMPLETE`` marker and ``latest`` move as soon as every rank's shards are written
             (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO` ``async_save``).
         rendezvous_timeout_s: seconds the ranks wait for each other at the start (> 0); then the run fails
@@ -255,6 +257,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self._layout_pending = False  # setup_environment ran without a module: setup validates the mesh against it
         self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint, timeout=timeout)
         self._failure: BaseException | None = None
+        self._prestaged = False  # async_checkpoint: the staging buffers were allocated (once per fit)
         validate_pipeline_options(pp, pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points)
         self.pp_options = {
             "schedule": pp_schedule,
@@ -734,6 +737,7 @@ class KempnerStrategy(ModelParallelStrategy):
         ``checkpoint_io.teardown``), then Lightning's teardown. After an exception nothing is awaited and no
         collective runs (the other ranks may be stuck in one, or gone): the error reaches the user at once."""
         failure, self._failure = self._failure, None
+        self._prestaged = False
         if failure is None:
             self.checkpoint_io.teardown()
         else:
@@ -774,7 +778,26 @@ class KempnerStrategy(ModelParallelStrategy):
 
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._refresh_float8_scales()
+        self._prestage_async_checkpoint()
         return out
+
+    def _prestage_async_checkpoint(self) -> None:
+        """With ``async_checkpoint`` and a ``ModelCheckpoint``, once every optimizer has state: the checkpoint IO
+        allocates its host staging buffers in the background (:meth:`DCPCheckpointIO.prestage`), so no save's
+        stall includes that allocation."""
+        if self._prestaged or not getattr(self.checkpoint_io, "async_save", False) or self.model is None:
+            return
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not getattr(trainer, "checkpoint_callbacks", None):
+            return
+        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
+        if not optimizers or not all(o.state for o in optimizers):
+            return
+        self._prestaged = True
+        sharded = {"state_dict": self.lightning_module_state_dict()}
+        for i, optimizer in enumerate(optimizers):
+            sharded[f"optimizer_{i}"] = self.optimizer_state(optimizer)
+        self.checkpoint_io.prestage(sharded)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

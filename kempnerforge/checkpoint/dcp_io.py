@@ -263,6 +263,23 @@ class DCPCheckpointIO(CheckpointIO):
                 self._submit(self._run_commit_hooks, path)
         _barrier()
 
+    def prestage(self, sharded: dict[str, Any]) -> None:
+        """Async saves: allocate (and fault in) the host staging buffers for ``sharded`` now, on the checkpoint
+        worker, by staging it once, so the first save's training-thread stall is the copy alone, as every later
+        save's is (a first save otherwise also allocates one host copy of the rank's shards: on CPU 1.2 s of page
+        faults for 3.7 GB, on CUDA the pinned allocation). The values staged are discarded; the training thread
+        may go on meanwhile (the next save waits for this first). Called once, after the first optimizer step (the
+        optimizer's state exists); no-op for synchronous saves or when buffers exist.
+
+        Args:
+            sharded: ``{"state_dict": model state, "optimizer_<i>": optimizer state}`` as a save stages it (views
+                of the live tensors).
+        """
+        if not self.async_save or self._stager is not None:
+            return
+        self._stager = DefaultStager(staging_options(sharded))
+        self._submit(self._stager.stage, sharded)
+
     def _group(self) -> Any:
         # The background save's collectives run on a group of their own, apart from training's.
         if self._async_group is None and dist.is_available() and dist.is_initialized():

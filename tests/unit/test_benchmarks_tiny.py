@@ -25,6 +25,7 @@ SCRIPTS = {
     "loss_path": "benchmarks/loss_path.py",
     "moe_step": "benchmarks/moe_step.py",
     "init_time": "benchmarks/init_time.py",
+    "checkpoint_io": "benchmarks/checkpoint_io.py",
 }
 
 
@@ -99,3 +100,19 @@ def test_init_time_previous_and_new_at_a_tiny_decoder(tmp_path):
     assert result["n_params"] > 0 and set(result["best"]) == {"previous", "new"}
     assert _positive(result["cpu_speedup_new_over_previous"]) and _positive(result["wall_speedup_new_over_previous"])
     assert all(len(runs) == 1 for runs in result["runs"].values())
+
+
+def test_checkpoint_io_figures_at_a_tiny_decoder_on_two_processes(tmp_path):
+    """Issue 30, item 4: save / restore GB/s next to the disk's own, restores equal to what was saved, the async
+    save's stall and the host copy it is compared with, in the JSON the README quotes."""
+    result = _run("checkpoint_io", "--params", "1e6", "--nproc", "2", "--seq", "16", "--rounds", "1",
+                  "--dir", str(tmp_path), tmp=tmp_path)  # fmt: skip
+    assert result["machine"] and result["date"] and len(result["results"]) == 1
+    row = result["results"][0]
+    assert row["nproc"] == 2 and row["params"] >= 1e6 and row["restored_equal"] is True
+    for key in ("disk_write_gb_s", "disk_read_gb_s", "save_gb_s", "save_plain_gb_s", "restore_gb_s",
+                "restore_plain_gb_s", "save_of_disk", "restore_of_disk", "step_s", "copy_floor_s", "prestage_s"):  # fmt: skip
+        assert _positive(row[key]), (key, row[key])
+    assert len(row["async_stall_s"]) == 2 and all(_positive(x) for x in row["async_stall_s"])
+    assert len(row["ranks"]) == 2 and all(len(r["rounds"]) == 1 for r in row["ranks"])
+    assert not list(tmp_path.glob("ckpt_io_*"))  # its files are removed
