@@ -113,6 +113,7 @@ def test_checkpoint_io_figures_at_a_tiny_decoder_on_two_processes(tmp_path):
     for key in ("disk_write_gb_s", "disk_read_gb_s", "save_gb_s", "save_plain_gb_s", "restore_gb_s",
                 "restore_plain_gb_s", "save_of_disk", "restore_of_disk", "step_s", "copy_floor_s", "prestage_s"):  # fmt: skip
         assert _positive(row[key]), (key, row[key])
-    assert len(row["async_stall_s"]) == 2 and all(_positive(x) for x in row["async_stall_s"])
+    assert len(row["async_stall_s"]) == 3 and all(_positive(x) for x in row["async_stall_s"])
+    assert _positive(row["async_stall_median_s"]) and _positive(row["async_stall_of_step"])
     assert len(row["ranks"]) == 2 and all(len(r["rounds"]) == 1 for r in row["ranks"])
     assert not list(tmp_path.glob("ckpt_io_*"))  # its files are removed
