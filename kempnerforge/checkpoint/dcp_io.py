@@ -35,6 +35,7 @@ the same worker, after every save already started has completed, and never touch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -278,7 +279,16 @@ class DCPCheckpointIO(CheckpointIO):
         if not self.async_save or self._stager is not None:
             return
         self._stager = DefaultStager(staging_options(sharded))
-        self._submit(self._stager.stage, sharded)
+        stager = self._stager
+        device = next((t.device for t in _tensors(sharded) if t.device.type == "cuda"), None)
+
+        def stage() -> None:
+            # On this rank's GPU: a new thread's current device is cuda:0, where the stager's synchronize would
+            # otherwise open a context of its own (every rank's, with all GPUs visible).
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                stager.stage(sharded)
+
+        self._submit(stage)
 
     def _group(self) -> Any:
         # The background save's collectives run on a group of their own, apart from training's.
