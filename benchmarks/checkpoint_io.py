@@ -90,7 +90,7 @@ def _fingerprint(model, optimizer) -> list[float]:
     restore that brought back the saved values."""
     out = []
     for p in model.parameters():
-        local = getattr(p, "_local_tensor", p)
+        local = getattr(p, "_local_tensor", p).detach()
         out.append(float(local.double().sum()))
         for key in ("exp_avg", "exp_avg_sq"):
             state = optimizer.state[p][key]
@@ -163,11 +163,16 @@ def _timed(fn) -> float:
 
 
 def _plain_save(state: dict, path: Path) -> None:
-    """The same shards through DCP's own ``FileSystemWriter`` (no checksum), fsync-ed: the checksums' baseline."""
+    """The same shards through DCP's own ``FileSystemWriter`` (no checksum; as many writer threads and the same
+    planner), fsync-ed: the checksums' baseline."""
     import torch.distributed.checkpoint as dcp
 
+    from kempnerforge.checkpoint.checksum import WRITER_THREADS
+    from kempnerforge.checkpoint.save_planner import SmallReplicasOnRankZero
+
     sharded = {"state_dict": state["state_dict"], "optimizer_0": state["optimizer_states"][0]}
-    dcp.save(sharded, checkpoint_id=path, storage_writer=dcp.FileSystemWriter(path))
+    writer = dcp.FileSystemWriter(path, thread_count=WRITER_THREADS)
+    dcp.save(sharded, checkpoint_id=path, storage_writer=writer, planner=SmallReplicasOnRankZero())
 
 
 def _copy_floor(state: dict) -> float:

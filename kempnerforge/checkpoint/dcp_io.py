@@ -14,15 +14,18 @@ One checkpoint is a directory written by every rank (PyTorch Distributed Checkpo
       step=00000200.ckpt.partial/  a save in progress (renamed when every rank has finished)
       latest                       text: the name of the newest complete checkpoint
 
+Small items every rank holds (the flattened optimizer's ``param_groups`` and ``step`` per parameter) are written
+by rank 0 (:mod:`~kempnerforge.checkpoint.save_planner`), so a restore opens its own shard file and rank 0's.
+
 A save goes to ``<name>.partial`` and is renamed into place only after all ranks finished writing,
 then ``latest`` is replaced atomically, so a crash mid-save never leaves a directory that looks
 complete and never moves ``latest``. A directory without ``COMPLETE`` is never chosen for a resume.
 
 With ``async_save=True`` the save is ``torch.distributed.checkpoint.async_save`` with a
 :class:`~torch.distributed.checkpoint.staging.DefaultStager` kept for the run: on the training
-thread it only copies this rank's shards device-to-host (into pinned host buffers allocated at the
-first save and reused, with non-blocking copies and one synchronize, on CUDA; a plain host copy on
-CPU), then the shards are written by DCP's upload thread. A checkpoint worker thread on every rank
+thread it only copies this rank's shards device-to-host (into pinned host buffers, with non-blocking copies and
+one synchronize, on CUDA; a plain host copy on CPU; the buffers allocated once, in the background after the first
+optimizer step: :meth:`DCPCheckpointIO.prestage`), then the shards are written by DCP's upload thread. A checkpoint worker thread on every rank
 waits for that upload, meets the other ranks in a barrier on a gloo group of its own (never on the
 training thread, never on training's group), and on rank 0 writes ``COMPLETE``, renames the
 directory, moves ``latest`` and runs the commit hooks (retention). So ``latest`` names the new

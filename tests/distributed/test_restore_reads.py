@@ -6,9 +6,9 @@ the files it reads: rank 3 finds the damage (its shard's blocks, hashed as they 
 all-reduce before DCP, DCP's own agreement on a failed read), the checkpoint is rejected naming the file, and the
 previous one is restored. Over both attempts rank ``r`` opened only ``.metadata``, ``meta.pt``, ``COMPLETE`` and
 rank 0's checksum record (which holds ``.metadata`` and ``meta.pt``), its own state file, checksum record and
-shard, and rank 0's shard, which holds the small items every rank reads (per-parameter ``param_groups`` and
-``step``: :mod:`kempnerforge.checkpoint.save_planner`); of that shard a rank other than 0 verifies only the blocks
-it reads, not the file. (A resharded restore reads the shards that hold a rank's elements, whichever rank wrote
+shard files (two: one per writer thread), and rank 0's shard files, which hold the small items every rank reads (per-parameter ``param_groups`` and
+``step``: :mod:`kempnerforge.checkpoint.save_planner`); of those a rank other than 0 verifies only the blocks it
+reads, not the files. (A resharded restore reads the shards that hold a rank's elements, whichever rank wrote
 them, and verifies exactly what it reads; a rank beyond the saved world reads rank 0's state file.)
 """
 
@@ -23,11 +23,12 @@ from tests.distributed.launch import HERE, launch
 pytestmark = pytest.mark.distributed
 
 SCRIPT = HERE / "restore_reads_script.py"
-SHARED = {".metadata", "meta.pt", "COMPLETE", "checksums_00000.json", "__0_0.distcp"}
+SHARED = {".metadata", "meta.pt", "COMPLETE", "checksums_00000.json", "__0_0.distcp", "__0_1.distcp"}
 
 
 def _own(rank: int) -> set[str]:
-    return {f"rank_{rank:05d}.pt", f"checksums_{rank:05d}.json", f"__{rank}_0.distcp"}
+    """Its state file, checksum record and shard files (one per writer thread: WRITER_THREADS = 2)."""
+    return {f"rank_{rank:05d}.pt", f"checksums_{rank:05d}.json", f"__{rank}_0.distcp", f"__{rank}_1.distcp"}
 
 
 def test_each_rank_verifies_and_reads_only_its_own_files_at_four_ranks(tmp_path, shakespeare_tokens):
@@ -47,12 +48,15 @@ def test_each_rank_verifies_and_reads_only_its_own_files_at_four_ranks(tmp_path,
         for ckpt in ("step=3.ckpt", "step=2.ckpt"):
             names = by_ckpt.get(ckpt, set())
             assert names <= SHARED | _own(rank), (rank, ckpt, sorted(names - SHARED - _own(rank)))
-            # What it reads it checked: its own state file and shard (every rank: the damaged checkpoint's shard
-            # read plans are checked before DCP's read step fails, and the restored one's in full).
-            assert _own(rank) <= names, (rank, ckpt, sorted(names))
-        # Verifying rank 0's shard, another rank read the few blocks holding the small items, not the file.
-        shard0, own = "step=2.ckpt/__0_0.distcp", f"step=2.ckpt/__{rank}_0.distcp"
-        read = record["bytes"][rank]
-        assert read[own] >= record["sizes"][own], (rank, read)  # its own shard: every byte, once per DCP load
+            # It read its own files: all of the restored one; of the damaged one at least its state file and first
+            # shard (rank 3 stops at the damaged block of __3_0, before __3_1).
+            need = _own(rank) if ckpt == "step=2.ckpt" else {f"rank_{rank:05d}.pt", f"__{rank}_0.distcp"}
+            assert need <= names, (rank, ckpt, sorted(names))
+        # Verifying rank 0's shards, another rank read the few blocks holding the small items, not the files.
+        read, sizes = record["bytes"][rank], record["sizes"]
+        for i in (0, 1):
+            own = f"step=2.ckpt/__{rank}_{i}.distcp"
+            assert read[own] >= sizes[own], (rank, read)  # its own shards: every byte
         if rank:
-            assert read.get(shard0, 0) < 0.3 * record["sizes"][shard0], (rank, read, record["sizes"][shard0])
+            zero = [f"step=2.ckpt/__0_{i}.distcp" for i in (0, 1)]
+            assert sum(read.get(f, 0) for f in zero) < 0.3 * sum(sizes[f] for f in zero), (rank, read, sizes)

@@ -109,8 +109,8 @@ def _checkpoint(folder: Path, step: int) -> Path:
 
 
 def _shard(path: Path) -> Path:
-    (shard,) = path.glob("*.distcp")
-    return shard
+    """The first of the rank's shard files (it writes WRITER_THREADS of them)."""
+    return sorted(path.glob("*.distcp"))[0]
 
 
 CORRUPTIONS = {

@@ -158,7 +158,7 @@ def test_rank_files_and_the_restore_read_plan_are_verified_old_records_too(tmp_p
         size, digest = checksum.file_digest(path / name)
         old.files[name] = {"size": size, "digest": digest}
     write_manifest(path, 0, old)
-    (shard,) = path.glob("*.distcp")
+    shard = max(path.glob("*.distcp"), key=lambda f: f.stat().st_size)  # the one holding "w"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
