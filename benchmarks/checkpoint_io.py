@@ -350,6 +350,14 @@ def _summary(world: int, ranks: list[dict]) -> dict:
     }
 
 
+def _machine() -> str:
+    """CPU model, cores and memory of this host (Linux ``/proc``; the architecture elsewhere)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    mem = Path("/proc/meminfo").read_text().split()[1] if Path("/proc/meminfo").is_file() else "0"
+    return f"{cpu or platform.machine()}, {os.cpu_count()} cores, {int(mem) / 2**20:.0f} GiB"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -369,7 +377,7 @@ def run(params: float, nprocs: list[int], seq: int, workdir: Path, rounds: int =
         results.append(_summary(world, json.loads(out.read_text())))
         shutil.rmtree(folder, ignore_errors=True)
     return {
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.processor() or platform.node()}",
+        "machine": _machine(),
         "date": datetime.date.today().isoformat(),
         "folder": str(workdir),
         "torch": torch.__version__,
