@@ -6,8 +6,8 @@ hours in the queue then fails, or never starts because a rank is missing). Every
 configs, the files and the world size the cluster environment already knows (:func:`expected_world`):
 
 - paths: the data (``data.data_dir`` prepared, or ``data.source``), ``data.tokenizer``, the vision encoder's
-  ``pretrained_path``, an explicit ``ckpt_path`` (and, on global rank 0, its files:
-  :func:`~kempnerforge.checkpoint.verify.verify_checkpoint`);
+  ``pretrained_path``, an explicit ``ckpt_path`` (and, on global rank 0, the files rank 0 reads:
+  :func:`~kempnerforge.checkpoint.verify.verify_rank_files`);
 - the data's records, where the data module has a ``check_source`` (chat jsonl: every line, on global rank 0);
 - ``model.init_from``'s safetensors headers against the model's parameters (global rank 0:
   :func:`~kempnerforge.checkpoint.init_from.check_hf_weights`);
@@ -132,7 +132,9 @@ def _check_metadata(field: str, data_dir: str, vocab_size: Any = None) -> None:
 
 
 def check_ckpt_path(strategy: Any, ckpt_path: Any, world: WorldSpec) -> None:
-    """An explicit ``ckpt_path`` is a complete checkpoint; on global rank 0 its files are whole too.
+    """An explicit ``ckpt_path`` is a complete checkpoint; on global rank 0 the files rank 0 reads before DCP are whole
+    too (``.metadata``, ``meta.pt``, ``rank_00000.pt``: O(1) files whatever the world size; the other ranks' files
+    and the shards are checked by the ranks that read them, in the restore).
 
     Raises:
         CheckpointError / CorruptCheckpointError: names what is missing or the bad file.
@@ -155,9 +157,9 @@ def check_ckpt_path(strategy: Any, ckpt_path: Any, world: WorldSpec) -> None:
         )
     resolved = strategy.checkpoint_io.resolve(ckpt_path)
     if world.rank == 0 and resolved.is_dir():
-        from kempnerforge.checkpoint.verify import verify_checkpoint
+        from kempnerforge.checkpoint.verify import verify_rank_files
 
-        verify_checkpoint(resolved)
+        verify_rank_files(resolved, 0)  # rank 0's own files: every other rank checks its own in the restore
 
 
 def check_layout(trainer: Any, module: Any, datamodule: Any, world: WorldSpec) -> int:

@@ -33,9 +33,10 @@ from kempnerforge.checkpoint.sharded_state import (
     load_model_and_optimizers,
     model_state,
     optimizer_state,
+    unwrap_optimizer,
 )
 from kempnerforge.checkpoint.train_state import check_accumulation, merge_rank_state, split_rank_state
-from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure, verify_checkpoint
+from kempnerforge.checkpoint.verify import CorruptCheckpointError, describe_failure, first_failure
 from kempnerforge.parallel.activation_checkpoint import apply_ac, validate_ac
 from kempnerforge.parallel.compile import apply_compile, validate_compile
 from kempnerforge.parallel.context_parallel import apply_cp, validate_cp_attention, validate_cp_run
@@ -156,7 +157,8 @@ class KempnerStrategy(ModelParallelStrategy):
             the heap can fragment and grow when several models with different shapes allocate in one
             process, so it is off by default. No effect on CUDA runs.
         async_checkpoint: the training thread only copies each rank's shards to host memory (DCP's
-            ``DefaultStager``: pinned buffers on CUDA); DCP writes them in the background, and the
+            ``DefaultStager``: pinned buffers on CUDA, allocated in the background after the first optimizer step
+            when a ``ModelCheckpoint`` will save); DCP writes them in the background, and the
             ``COMPLETE`` marker and ``latest`` move as soon as every rank's shards are written
             (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO` ``async_save``).
         rendezvous_timeout_s: seconds the ranks wait for each other at the start (> 0); then the run fails
@@ -255,6 +257,7 @@ class KempnerStrategy(ModelParallelStrategy):
         self._layout_pending = False  # setup_environment ran without a module: setup validates the mesh against it
         self._checkpoint_io = DCPCheckpointIO(async_save=async_checkpoint, timeout=timeout)
         self._failure: BaseException | None = None
+        self._prestaged = False  # async_checkpoint: the staging buffers were allocated (once per fit)
         validate_pipeline_options(pp, pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points)
         self.pp_options = {
             "schedule": pp_schedule,
@@ -567,13 +570,14 @@ class KempnerStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Restore model and optimizer shards in place (resharding), then return Lightning's metadata.
 
-        The path is global rank 0's, broadcast, after rank 0 checked its files
-        (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`). For ``--ckpt_path auto``
-        (:class:`~kempnerforge.resilience.auto_resume.AutoResume`) rank 0 alone picks the newest complete
-        checkpoint whose files are whole (older ones when not, with a warning naming the file), and when there is
-        none every rank starts fresh (metadata that restores nothing). A pick that still fails to load on any rank
-        is rejected on all of them and the next one is restored from scratch, so nothing of the failed attempt
-        survives (model and optimizer state are overwritten whole, loops and RNG come from the new metadata).
+        The path is global rank 0's, broadcast. Every rank then checks the files it reads, and only those
+        (:func:`~kempnerforge.checkpoint.verify.verify_rank_files`, then its DCP read plan's shards), and one
+        all-reduce combines the verdicts: no rank reads another rank's files for it, nor waits while one does. For
+        ``--ckpt_path auto`` (:class:`~kempnerforge.resilience.auto_resume.AutoResume`) rank 0 alone picks the
+        newest complete checkpoint, and when there is none every rank starts fresh (metadata that restores
+        nothing). A pick whose files are bad on any rank is rejected on all of them with a warning naming the file,
+        and the next one is restored from scratch, so nothing of the failed attempt survives (model and optimizer
+        state are overwritten whole, loops and RNG come from the new metadata).
 
         Raises:
             CorruptCheckpointError: an explicit path whose files are missing, truncated or unreadable (names the
@@ -594,7 +598,9 @@ class KempnerStrategy(ModelParallelStrategy):
                 rank_zero_warn(f"Auto-resume: {err}; restoring the previous complete checkpoint instead.")
 
     def _restore(self, path: Path) -> dict[str, Any]:
-        """Every rank: this rank's files (``meta.pt``, its state file), agreed across ranks, then the DCP shards.
+        """Every rank: the files it reads before DCP (``.metadata``, ``meta.pt``, its state file:
+        :func:`~kempnerforge.checkpoint.verify.verify_rank_files`), agreed across ranks by one all-reduce, then the
+        DCP shards (each rank checks its read plan's files before using them; DCP agrees on a failure itself).
 
         Raises:
             CorruptCheckpointError: on every rank when any rank's files do not load, or DCP could not read a shard.
@@ -658,22 +664,27 @@ class KempnerStrategy(ModelParallelStrategy):
         return meta
 
     def _agree_no_failure(self, error: BaseException | None, path: Path) -> None:
-        """One all-gather of every rank's error text; the first one is raised on all ranks (nothing when none failed).
+        """Every rank's verdict on its own files, combined by one all-reduce (MIN of the failing rank, the world size
+        when none failed); only on a failure, that rank's error text is broadcast, and raised on all ranks.
 
         Raises:
-            CorruptCheckpointError: some rank's ``error``, named with its rank.
+            CorruptCheckpointError: the lowest failing rank's ``error``, named with its rank.
         """
         text = None if error is None else str(error)
+        rank = 0
         if self.world_size > 1 and torch.distributed.is_initialized():
-            texts: list[str | None] = [None] * self.world_size
-            torch.distributed.all_gather_object(texts, text)
-        else:
-            texts = [text]
-        failed = [(rank, t) for rank, t in enumerate(texts) if t is not None]
-        if failed:
-            rank, first = failed[0]
+            mine = self.global_rank if error is not None else self.world_size
+            flag = torch.tensor([mine], dtype=torch.int64, device=self.root_device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            rank = int(flag.item())
+            if rank == self.world_size:
+                return
+            box = [text]
+            torch.distributed.broadcast_object_list(box, src=rank)
+            text = box[0]
+        if text is not None:
             where = f" (rank {rank})" if self.world_size > 1 else ""
-            raise CorruptCheckpointError(f"checkpoint {path} cannot be loaded{where}: {first}") from error
+            raise CorruptCheckpointError(f"checkpoint {path} cannot be loaded{where}: {text}") from error
 
     def _agreed_checkpoint_path(self, checkpoint_path: _PATH) -> str | None:
         """Global rank 0's decision on every rank: the checkpoint to load (None: start fresh), or its error.
@@ -703,9 +714,7 @@ class KempnerStrategy(ModelParallelStrategy):
             rank_zero_info(f"Auto-resume: no complete checkpoint in {checkpoint_path.folder}; starting fresh.")
             return "path", None
         try:
-            resolved = self.checkpoint_io.resolve(checkpoint_path)
-            if resolved.is_dir():
-                verify_checkpoint(resolved)
+            self.checkpoint_io.resolve(checkpoint_path)  # complete; its files are checked by the ranks reading them
         except CorruptCheckpointError as err:
             return "corrupt", str(err)
         except CheckpointError as err:
@@ -728,6 +737,7 @@ class KempnerStrategy(ModelParallelStrategy):
         ``checkpoint_io.teardown``), then Lightning's teardown. After an exception nothing is awaited and no
         collective runs (the other ranks may be stuck in one, or gone): the error reaches the user at once."""
         failure, self._failure = self._failure, None
+        self._prestaged = False
         if failure is None:
             self.checkpoint_io.teardown()
         else:
@@ -768,7 +778,26 @@ class KempnerStrategy(ModelParallelStrategy):
 
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._refresh_float8_scales()
+        self._prestage_async_checkpoint()
         return out
+
+    def _prestage_async_checkpoint(self) -> None:
+        """With ``async_checkpoint`` and a ``ModelCheckpoint``, once every optimizer has state: the checkpoint IO
+        allocates its host staging buffers in the background (:meth:`DCPCheckpointIO.prestage`), so no save's
+        stall includes that allocation."""
+        if self._prestaged or not getattr(self.checkpoint_io, "async_save", False) or self.model is None:
+            return
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not getattr(trainer, "checkpoint_callbacks", None):
+            return
+        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
+        if not optimizers or not all(o.state for o in optimizers):
+            return
+        self._prestaged = True
+        sharded = {"state_dict": self.lightning_module_state_dict()}
+        for i, optimizer in enumerate(optimizers):
+            sharded[f"optimizer_{i}"] = self.optimizer_state(optimizer)
+        self.checkpoint_io.prestage(sharded)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -3,19 +3,21 @@
 DCP has no checksum of its own, so bytes overwritten inside a shard load silently (a model of NaNs). Every
 file a save writes goes through a :class:`HashingStream` (DCP's shards and ``.metadata`` through
 :class:`ChecksumFileSystemWriter`, ``meta.pt`` and the rank files through :func:`save_hashed`), which hashes
-the bytes on their way to the file: nothing is read back. Each rank then writes its own record,
-``checksums_<rank>.json`` (:func:`write_manifest`), naming the files it wrote with their size and digest;
-rank 0's also holds ``.metadata`` and ``meta.pt``. No rank reads another rank's files for it.
+the bytes on their way to the file, in blocks of :data:`BLOCK` bytes: nothing is read back. Each rank then writes
+its own record, ``checksums_<rank>.json`` (:func:`write_manifest`), naming the files it wrote with their size and
+block digests; rank 0's also holds ``.metadata`` and ``meta.pt``. No rank reads another rank's files for it.
 
-On load every rank checks the files it reads before they are used (:class:`Manifests.check`): DCP's
-``.metadata`` and the shards of its read plan (:class:`~kempnerforge.checkpoint.verify.NamingFileSystemReader`),
-``meta.pt`` and its state file (:class:`~kempnerforge.checkpoint.dcp_io.DCPCheckpointIO`). A file's record is
-found in the writer's record only (the rank is in the file's name: ``__<rank>_<i>.distcp``, ``rank_<rank>.pt``;
-rank 0 for the rest), so a rank reads one or two small JSON files, whatever the world size.
+On load every rank checks what it reads before it is used: ``meta.pt``, its state file and DCP's ``.metadata`` whole
+(:meth:`Manifests.check`), and of the shard files only the blocks that hold the items of its read plan, hashed
+from the same bytes DCP deserializes (:class:`~kempnerforge.checkpoint.verified_read.VerifiedFile`, one read per
+byte). A file's record is found in the writer's record only (the rank is in the file's name:
+``__<rank>_<i>.distcp``, ``rank_<rank>.pt``; rank 0 for the rest), so a rank reads two or three small JSON files,
+whatever the world size.
 
 Algorithm: xxHash's XXH3-64 (the ``xxhash`` package; several GB/s per core, so hashing is a small part of a
-save's time: ``benchmarks/ckpt_checksum.py``); ``zlib.crc32`` from the standard library where ``xxhash`` is not
-installed. The record names the algorithm, so either kind reads back wherever its algorithm is available.
+save's time: ``benchmarks/ckpt_checksum.py``, ``benchmarks/checkpoint_io.py``); ``zlib.crc32`` from the standard
+library where ``xxhash`` is not installed. The record names the algorithm, so either kind reads back wherever its
+algorithm is available. Records written before block digests (one ``digest`` per file) are checked file by file.
 
 A checkpoint without any record (written before checksums existed) still loads; it cannot be verified, and
 :func:`has_checksums` lets the caller say so once.
@@ -23,7 +25,9 @@ A checkpoint without any record (written before checksums existed) still loads; 
 
 from __future__ import annotations
 
+import copy
 import io
+import itertools
 import json
 import os
 import re
@@ -47,6 +51,7 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; the fallback k
 
 __all__ = [
     "ALGORITHM",
+    "BLOCK",
     "COMPLETE_LINE",
     "ChecksumFileSystemWriter",
     "HashingStream",
@@ -61,6 +66,10 @@ __all__ = [
 ALGORITHM = "xxh3_64" if xxhash is not None else "crc32"
 
 _CHUNK = 8 << 20  # bytes hashed per read when a file is checked
+
+#: Bytes per checksummed block of a file (the last block may be shorter). A reader verifies the blocks its reads
+#: touch: at most one block beyond an item at either end, shared with the neighbouring item.
+BLOCK = 1 << 20
 
 
 class _Crc32:
@@ -89,6 +98,39 @@ def new_hasher(algorithm: str = ALGORITHM) -> Any:
     raise ValueError(f"checksum algorithm {algorithm!r} is not available here (install xxhash for xxh3_64)")
 
 
+class BlockHasher:
+    """Digests of a byte stream in consecutive blocks of ``block`` bytes (the last one may be shorter).
+
+    Args:
+        algorithm: as :func:`new_hasher`.
+        block: bytes per block.
+    """
+
+    def __init__(self, algorithm: str = ALGORITHM, block: int = BLOCK) -> None:
+        self.algorithm, self.block = algorithm, block
+        self.digests: list[str] = []
+        self._hasher = new_hasher(algorithm)
+        self._fill = 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.block - self._fill)
+            self._hasher.update(view[:take])
+            self._fill += take
+            view = view[take:]
+            if self._fill == self.block:
+                self.digests.append(self._hasher.hexdigest())
+                self._hasher, self._fill = new_hasher(self.algorithm), 0
+
+    def finish(self) -> list[str]:
+        """The block digests (the partial last block's included); call once, after the last update."""
+        if self._fill:
+            self.digests.append(self._hasher.hexdigest())
+            self._fill = 0
+        return self.digests
+
+
 def manifest_file(path: Path, rank: int) -> Path:
     """Rank ``rank``'s checksum record inside checkpoint ``path``."""
     return path / f"checksums_{rank:05d}.json"
@@ -110,10 +152,11 @@ def has_checksums(path: Path) -> bool:
 
 
 class HashingStream(io.RawIOBase):
-    """A binary write stream that hashes every byte written to ``raw`` on its way through.
+    """A binary write stream that hashes every byte written to ``raw`` on its way through, in blocks of
+    :data:`BLOCK` bytes.
 
     ``tell`` is this stream's own count (it equals ``raw.tell()`` for a file opened for writing). A ``seek``
-    (no writer used here seeks, but ``torch.save`` may on a seekable stream) marks the digest unknown, and
+    (no writer used here seeks, but ``torch.save`` may on a seekable stream) marks the digests unknown, and
     :meth:`digest` then reads the file back once.
 
     Args:
@@ -125,7 +168,7 @@ class HashingStream(io.RawIOBase):
         super().__init__()
         self.raw = raw
         self.algorithm = algorithm
-        self._hasher = new_hasher(algorithm)
+        self._hasher = BlockHasher(algorithm)
         self._pos = 0
         self._linear = True
 
@@ -162,37 +205,52 @@ class HashingStream(io.RawIOBase):
         self.flush()
         super().close()
 
-    def digest(self, file: Path | None = None) -> str:
-        """The hex digest of everything written (``file`` is read back only after a ``seek``)."""
+    def digest(self, file: Path | None = None) -> list[str]:
+        """The block digests of everything written (``file`` is read back only after a ``seek``)."""
         if self._linear or file is None:
-            return self._hasher.hexdigest()
-        return file_digest(file, self.algorithm)[1]
+            return self._hasher.finish()
+        return file_blocks(file, self.algorithm)[1]
 
 
 def file_digest(file: Path, algorithm: str = ALGORITHM) -> tuple[int, str]:
-    """``(size in bytes, hex digest)`` of ``file``, read in 8 MiB pieces."""
+    """``(size in bytes, hex digest)`` of ``file`` as one piece (records written before block digests)."""
     hasher = new_hasher(algorithm)
     size = 0
+    for piece in _pieces(file):
+        hasher.update(piece)
+        size += len(piece)
+    return size, hasher.hexdigest()
+
+
+def file_blocks(file: Path, algorithm: str = ALGORITHM, block: int = BLOCK) -> tuple[int, list[str]]:
+    """``(size in bytes, block digests)`` of ``file`` (blocks of ``block`` bytes, as :class:`HashingStream`)."""
+    hasher = BlockHasher(algorithm, block)
+    size = 0
+    for piece in _pieces(file):
+        hasher.update(piece)
+        size += len(piece)
+    return size, hasher.finish()
+
+
+def _pieces(file: Path) -> Iterator[memoryview]:
     with open(file, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
-            hasher.update(view[:n])
-            size += n
-    return size, hasher.hexdigest()
+            yield view[:n]
 
 
 class Record:
-    """The files one rank wrote into a checkpoint: name -> ``{"size": bytes, "digest": hex}`` (thread-safe:
-    DCP's writer threads and the training thread add to it)."""
+    """The files one rank wrote into a checkpoint: name -> ``{"size": bytes, "block_size": bytes, "blocks": [hex]}``
+    (thread-safe: DCP's writer threads and the training thread add to it)."""
 
     def __init__(self) -> None:
         self.files: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, size: int, digest: str) -> None:
+    def add(self, name: str, size: int, blocks: list[str]) -> None:
         with self._lock:
-            self.files[name] = {"size": size, "digest": digest}
+            self.files[name] = {"size": size, "block_size": BLOCK, "blocks": blocks}
 
     def rename(self, old: str, new: str) -> None:
         with self._lock:
@@ -252,6 +310,14 @@ def writer_rank(name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def block_reason(entry: dict[str, Any], index: int, digest: str, algorithm: str) -> str:
+    """Why block ``index`` of a file recorded as ``entry`` is bad: its byte range and both digests."""
+    lo = index * entry["block_size"]
+    hi = min(lo + entry["block_size"], entry["size"])
+    want = entry["blocks"][index] if index < len(entry["blocks"]) else "none"
+    return f"fails its checksum in bytes [{lo}, {hi}) ({algorithm} {digest}, written as {want})"
+
+
 class Manifests:
     """The checksum records of checkpoint ``path``, read on demand (only the records of files checked).
 
@@ -266,6 +332,13 @@ class Manifests:
         self.context = context
         self.enabled = has_checksums(self.path)
         self._records: dict[int, dict[str, Any]] = {}
+        self.checked: set[str] = set()  # files verified whole by this instance (and its siblings)
+
+    def sibling(self, context: bool) -> Manifests:
+        """The same records and checked files (shared, not copied), with errors prefixed or not (``context``)."""
+        other = copy.copy(self)
+        other.context = context
+        return other
 
     def record(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s record (its ``files`` and ``algorithm``).
@@ -279,42 +352,68 @@ class Manifests:
                 body = json.loads(file.read_text())
                 ok = _entries_digest(body["files"], body["algorithm"]) == body["self"]
             except FileNotFoundError as err:
-                raise self._corrupt(file, "is missing (the checkpoint records checksums)") from err
+                raise self.corrupt(file, "is missing (the checkpoint records checksums)") from err
             except (OSError, ValueError, KeyError, TypeError) as err:
-                raise self._corrupt(file, f"cannot be read ({type(err).__name__}: {err})") from err
+                raise self.corrupt(file, f"cannot be read ({type(err).__name__}: {err})") from err
             if not ok:
-                raise self._corrupt(file, "is damaged (its own checksum does not match)")
+                raise self.corrupt(file, "is damaged (its own checksum does not match)")
             self._records[rank] = body
         return self._records[rank]
 
-    def _corrupt(self, file: Path, reason: str) -> CorruptCheckpointError:
+    def corrupt(self, file: Path, reason: str) -> CorruptCheckpointError:
+        """The error naming ``file`` and ``reason`` (prefixed with the checkpoint when this instance says so)."""
         prefix = f"checkpoint {self.path} is corrupt: " if self.context else ""
         return CorruptCheckpointError(f"{prefix}{file} {reason}", file)
 
     def check(self, name: str) -> None:
-        """Check file ``name`` of the checkpoint against its writer's record (nothing without records).
+        """Check file ``name`` of the checkpoint, all of it, against its writer's record (nothing without records);
+        a file that passed is not read again by this instance.
 
         Raises:
             CorruptCheckpointError: the file is not in its writer's record, is missing, has another size (a
                 truncated or swapped file) or another checksum (overwritten bytes); names the file.
         """
-        if not self.enabled:
+        if not self.enabled or name in self.checked:
             return
+        entry, algorithm = self.entry(name)
+        file = self.path / name
+        if "blocks" in entry:
+            _, blocks = file_blocks(file, algorithm, entry["block_size"])
+            for index, (got, want) in enumerate(itertools.zip_longest(blocks, entry["blocks"])):
+                if got != want:
+                    raise self.corrupt(file, block_reason(entry, index, got or "none", algorithm))
+        else:
+            size, digest = file_digest(file, algorithm)
+            if digest != entry["digest"] or size != entry["size"]:
+                raise self.corrupt(file, f"fails its checksum ({algorithm} {digest}, written as {entry['digest']})")
+        self.checked.add(name)
+
+    def entry(self, name: str) -> tuple[dict[str, Any], str]:
+        """File ``name``'s entry in its writer's record and the record's algorithm, after checking that the file
+        is there with the size that was written (checkpoints with records only).
+
+        Raises:
+            CorruptCheckpointError: the file is not in its writer's record, is missing, or has another size.
+        """
         body = self.record(writer_rank(name))
         entry = body["files"].get(name)
         file = self.path / name
         if entry is None:
-            raise self._corrupt(file, f"is not in {manifest_file(self.path, writer_rank(name)).name}")
+            raise self.corrupt(file, f"is not in {manifest_file(self.path, writer_rank(name)).name}")
         if not file.is_file():
-            raise self._corrupt(file, "is missing")
+            raise self.corrupt(file, "is missing")
         have = file.stat().st_size
         if have != entry["size"]:
-            raise self._corrupt(file, f"has {have} bytes; {entry['size']} were written")
-        size, digest = file_digest(file, body["algorithm"])
-        if digest != entry["digest"] or size != entry["size"]:
-            raise self._corrupt(
-                file, f"fails its checksum ({body['algorithm']} {digest}, written as {entry['digest']})"
-            )
+            raise self.corrupt(file, f"has {have} bytes; {entry['size']} were written")
+        return entry, body["algorithm"]
+
+    def block_reason(self, entry: dict[str, Any], index: int, digest: str) -> str:
+        """Why block ``index`` of a file with record ``entry`` is bad (its byte range and both digests)."""
+        lo = index * entry["block_size"]
+        hi = min(lo + entry["block_size"], entry["size"])
+        algorithm = self._records.get(0, {}).get("algorithm", ALGORITHM)
+        want = entry["blocks"][index] if index < len(entry["blocks"]) else "none"
+        return f"fails its checksum in bytes [{lo}, {hi}) ({algorithm} {digest}, written as {want})"
 
     def check_all(self, world_size: int) -> list[CorruptCheckpointError]:
         """Check every file that the records of ranks ``0 .. world_size - 1`` name (``kforge check-ckpt``).
@@ -360,14 +459,22 @@ class _HashingFileSystem(FileSystem):
         self.record.rename(Path(path).name, Path(new_path).name)
 
 
+#: Files each rank writes its shards into, one writer thread each (DCP's ``thread_count``): ``torch.save``'s
+#: serialization and CRC-32, the hashing and the page-cache copies of one file overlap the other's (a 1.9 GB save
+#: on this 2-core machine: 1.5 GB/s with one thread, 1.8-1.9 with two; ``benchmarks/checkpoint_io.py``).
+WRITER_THREADS = 2
+
+
 class ChecksumFileSystemWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` that hashes each shard file and ``.metadata`` while writing them.
+    """DCP's ``FileSystemWriter`` that hashes each shard file and ``.metadata`` while writing them, each rank's
+    shards in :data:`WRITER_THREADS` files written by as many threads (each file fsync-ed).
 
     Args:
         path: the checkpoint directory being written.
         record: where the files' sizes and digests go (then :func:`write_manifest`).
+        thread_count: writer threads (and files) per rank.
     """
 
-    def __init__(self, path: str | os.PathLike, record: Record) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike, record: Record, thread_count: int = WRITER_THREADS) -> None:
+        super().__init__(path, thread_count=thread_count)
         self.fs = _HashingFileSystem(record)

@@ -186,18 +186,17 @@ def check_hf_weights(path: str | Path, cfg: ModelConfig) -> None:
 
     Raises:
         PathError: a shard named by the index is missing, or a file's header does not parse or its data is shorter
-            than the header says (field ``model.init_from``, naming the file and safetensors' reason).
+            than the header says (field ``model.init_from``, naming the file and the reason).
         UserError: a parameter without a folder tensor, a tensor of another shape, or a tensor nothing reads
             (field ``model.init_from``).
     """
-    from safetensors import SafetensorError
-
     from kempnerforge.model.safetensors_shards import SafetensorsFolder
     from kempnerforge.model.transformer import Transformer
 
     try:
         folder = SafetensorsFolder(path)
-    except (SafetensorError, OSError, ValueError, KeyError) as err:
+        folder.open_all()
+    except (OSError, ValueError, KeyError) as err:
         what = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PathError(
             FIELD,

@@ -35,6 +35,12 @@ def rank_file(path: Path, rank: int) -> Path:
     return path / f"rank_{rank:05d}.pt"
 
 
+def read_rank(rank: int, saved_world: int) -> int:
+    """The rank whose state file rank ``rank`` restores: its own, or rank 0's when the checkpoint was written by fewer
+    ranks (every data-parallel rank saved the same dataloader position; ``merge_rank_state`` remaps it)."""
+    return rank if rank < saved_world else 0
+
+
 def partial_path(path: Path) -> Path:
     """Where the save of checkpoint ``path`` is written until it is complete."""
     return path.with_name(path.name + PARTIAL_SUFFIX)

@@ -180,7 +180,8 @@ def _read(state: dict[str, Any], resolved: Path) -> None:
     from kempnerforge.checkpoint.verify import NamingFileSystemReader, first_failure
 
     try:
-        dcp.load(state, storage_reader=NamingFileSystemReader(resolved), no_dist=True)
+        # Whole files, as before: a tool refuses a checkpoint a resume would refuse (its optimizer bytes included).
+        dcp.load(state, storage_reader=NamingFileSystemReader(resolved, whole_files=True), no_dist=True)
     except CheckpointException as err:
         inner = first_failure(err)
         if isinstance(inner, CheckpointError):

@@ -59,18 +59,18 @@ def load_model_and_optimizers(
 ) -> None:
     """Fill ``model`` (and ``optimizers``, if any) from checkpoint ``path`` in place; every rank calls it.
 
-    Keys are those Lightning saved: ``state_dict`` for the module and ``optimizer_{i}`` per optimizer.
+    Keys are those Lightning saved: ``state_dict`` for the module and ``optimizer_{i}`` per optimizer. One DCP
+    load reads them all (one plan: each shard file is read front to back once, as torchtitan loads).
 
     Raises:
         RuntimeError: from DCP when a key is missing or a shape disagrees (``strict``), naming the key.
     """
     options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
-    model_state = {"state_dict": get_model_state_dict(model)}
-    io.load_sharded(model_state, path)
-    set_model_state_dict(model, model_state["state_dict"], options=options)
+    optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
+    state = {"state_dict": get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
-        optimizer = unwrap_optimizer(optimizer)
-        key = f"optimizer_{i}"
-        optim_state = {key: get_optimizer_state_dict(model, optimizer, options=options)}
-        io.load_sharded(optim_state, path)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key], options=options)
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer, options=options)
+    io.load_sharded(state, path)
+    set_model_state_dict(model, state["state_dict"], options=options)
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=options)

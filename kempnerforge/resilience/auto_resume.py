@@ -9,10 +9,11 @@ the folder, once the process group exists, and every rank loads what it chose (r
 filesystem can see different directory listings for a while; each rank choosing for itself could
 resume some ranks and start others fresh).
 
-Fallback: rank 0 checks its pick's files first (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`:
-missing or truncated shards, an unreadable ``meta.pt`` or rank file) and takes the next older complete
-checkpoint when they are bad, with a warning naming the file; a pick that still fails to load on some rank
-is rejected by all ranks together (:meth:`AutoResume.reject`) and the next one is restored from scratch.
+Fallback: every rank checks the files of the pick that it reads, and only those (a restore's
+:func:`~kempnerforge.checkpoint.verify.verify_rank_files` and its DCP read plan's shards: missing, truncated or
+overwritten files, an unreadable ``meta.pt`` or state file), and one all-reduce combines the verdicts; a pick that
+is bad on some rank is rejected by all ranks together (:meth:`AutoResume.reject`), with a warning naming the file,
+and the next older complete checkpoint is restored from scratch. No rank reads O(ranks) files.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def find_resume_checkpoint(
 
     Args:
         dirpath: the checkpoint folder.
-        verify: skip checkpoint directories whose files are bad (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`),
-            with a warning naming the file; each one skipped is added to ``rejected``.
+        verify: skip checkpoint directories whose files are bad (:func:`~kempnerforge.checkpoint.verify.verify_checkpoint`,
+            which reads every rank's files: for one process, e.g. a tool), with a warning naming the file; each one
+            skipped is added to ``rejected``.
         rejected: checkpoints not to take (path -> why), and where ``verify`` records the ones it skips.
     """
     rejected = {} if rejected is None else rejected
@@ -104,7 +106,8 @@ def find_resume_checkpoint(
 
 
 class AutoResume(str):
-    """The ``ckpt_path`` of ``--ckpt_path auto``: resume from the newest complete checkpoint in ``folder`` that loads.
+    """The ``ckpt_path`` of ``--ckpt_path auto``: resume from the newest complete checkpoint in ``folder`` that loads
+    (the strategy rejects one that does not, and asks again).
 
     A ``str`` whose value is ``"auto"``, so ``Trainer.fit`` passes it unchanged to the strategy's
     ``load_checkpoint``; ``KempnerStrategy`` asks :meth:`choose` on global rank 0 only and broadcasts
@@ -127,11 +130,11 @@ class AutoResume(str):
         return self
 
     def choose(self) -> Path | None:
-        """The newest complete checkpoint of ``folder`` that is not rejected and whose files verify
-        (:func:`find_resume_checkpoint` with ``verify``), looked up once (the same answer on every later call
-        until :meth:`reject`)."""
+        """The newest complete checkpoint of ``folder`` that is not rejected (:func:`find_resume_checkpoint`),
+        looked up once (the same answer on every later call until :meth:`reject`). Its files are checked by the
+        ranks that read them, during the restore."""
         if self._choice is None:
-            self._choice = (find_resume_checkpoint(self.folder, verify=True, rejected=self.rejected),)
+            self._choice = (find_resume_checkpoint(self.folder, rejected=self.rejected),)
         return self._choice[0]
 
     def reject(self, path: str | Path, reason: str) -> None:

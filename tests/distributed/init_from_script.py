@@ -11,6 +11,10 @@
   split, FSDP2 rows cut inside ``wkv_a``'s RoPE rows): every parameter's full tensor and every router correction bias
   against the unsharded load of the same folder.
 
+- ``opens`` (issue 30, check 4): every load above counts the opens of ``.safetensors`` files on each rank
+  (``os.open`` and ``safetensors.safe_open``, patched around ``init_weights``), against the folder's file count; the
+  layouts include a 2,001-tensor Llama folder in 15 files (``--many``) under FSDP2.
+
 - ``vlm_memory`` / ``vlm_layouts`` (issue 32, check 2): the same big folder loaded as the text model of a MoT VLM
   (every text tensor read into both modality towers) under FSDP2, measured as ``memory``; the small Llama as the text
   model of each VLM arch under FSDP2 and of joint_decoder and MoT under tp=2, every parameter against the unsharded
@@ -22,11 +26,14 @@ Rank 0 writes the records as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import gc
 import json
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -64,6 +71,34 @@ def _reset_peak() -> int:
     return _status_kb("VmRSS") * 1024
 
 
+@contextlib.contextmanager
+def _counting_opens(counts: dict[str, int]):
+    """Count the opens of ``.safetensors`` files (by ``os.open`` or ``safetensors.safe_open``) into ``counts``."""
+    import safetensors
+
+    real_open, real_safe_open = os.open, safetensors.safe_open
+
+    def counted(path, *args, **kwargs):
+        if str(path).endswith(".safetensors"):
+            counts[str(path)] = counts.get(str(path), 0) + 1
+        return real_open(path, *args, **kwargs)
+
+    def safe_counted(path, *args, **kwargs):
+        counts[str(path)] = counts.get(str(path), 0) + 1
+        return real_safe_open(path, *args, **kwargs)
+
+    os.open, safetensors.safe_open = counted, safe_counted
+    try:
+        yield counts
+    finally:
+        os.open, safetensors.safe_open = real_open, real_safe_open
+
+
+def _opens_record(counts: dict[str, int], folder: str) -> dict:
+    """Opens per rank against the folder's number of safetensors files."""
+    return {"opens": _gather(sum(counts.values())), "files": len(list(Path(folder).glob("*.safetensors")))}
+
+
 def _gather(value) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -96,12 +131,14 @@ def memory(folder: str, mesh, arch: str | None = None) -> dict:
     dist.barrier()
     base = _reset_peak()
     start = time.perf_counter()
-    model.init_weights(seed=0)
+    with _counting_opens({}) as counts:
+        model.init_weights(seed=0)
     load_s = time.perf_counter() - start
     load = _status_kb("VmHWM") * 1024 - base
     local = sum(p.to_local().numel() for p in model.parameters()) * 4
     return {"n_params": n_params, "model_bytes": n_params * 4, "materialize_bytes": _gather(materialize),
-            "load_bytes": _gather(load), "shard_bytes": _gather(local), "load_s": _gather(load_s)}  # fmt: skip
+            "load_bytes": _gather(load), "shard_bytes": _gather(local), "load_s": _gather(load_s)} | _opens_record(
+        counts, folder)  # fmt: skip
 
 
 class _FirstLoss(Callback):
@@ -169,8 +206,9 @@ def vlm_layouts(folder: str, mesh) -> dict:
             apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
         model.to_empty(device="cpu")
         model.tie_weights()
-        model.init_weights(seed=0)
-        out[f"vlm_{arch}_{how}"] = _max_diff(model, _plain(folder, arch), arch)
+        with _counting_opens({}) as counts:
+            model.init_weights(seed=0)
+        out[f"vlm_{arch}_{how}"] = _max_diff(model, _plain(folder, arch), arch) | _opens_record(counts, folder)
     return out
 
 
@@ -191,10 +229,11 @@ def layouts(folders: dict[str, str], mesh) -> dict:
             apply_fsdp(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
         model.to_empty(device="cpu")
         model.tie_weights()
-        model.init_weights(seed=0)
+        with _counting_opens({}) as counts:
+            model.init_weights(seed=0)
         want = _plain(folder)
         want = join_state_dict(want, cfg) if layout.startswith("fused") else want
-        out[layout] = _max_diff(model, want, layout)
+        out[layout] = _max_diff(model, want, layout) | _opens_record(counts, folder)
     return out
 
 
@@ -205,6 +244,7 @@ def main() -> None:
     p.add_argument("--mixtral", required=True)
     p.add_argument("--qwen2-moe", required=True)
     p.add_argument("--deepseek-v3", required=True)
+    p.add_argument("--many", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -214,7 +254,7 @@ def main() -> None:
     ds = args.deepseek_v3
     record["layouts"] = layouts(
         {"tp2": args.small, "ep2": args.mixtral, "fsdp2": args.qwen2_moe, "ds_tp2": ds, "ds_ep2": ds, "ds_fsdp2": ds}
-        | {"fused_tp2": args.small, "fused_fsdp2": args.small},
+        | {"fused_tp2": args.small, "fused_fsdp2": args.small, "many_fsdp2": args.many},
         mesh,
     ) | vlm_layouts(args.small, mesh)
     gen = torch.Generator().manual_seed(0)

@@ -24,7 +24,8 @@ def test_sick_rank_stops_all_ranks_with_a_checkpoint(tmp_path, shakespeare_token
     assert rec["failure"] == {"step": 2, "ranks": [1], "reason": ""}  # rank 0 was healthy; it learns rank 1's state
     ckpt = Path(rec["checkpoint"])
     assert ckpt.name == "health-step=000002.ckpt" and (ckpt / ".metadata").is_file()  # a complete DCP save
-    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # both ranks wrote
+    written = sorted(p.name for p in ckpt.glob("*.distcp"))  # both ranks wrote (two files each: WRITER_THREADS)
+    assert written == ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"]
     # MFUMonitor under tp=2: one data shard, so per-device throughput is half the global figure.
     assert rec["dp"] == 1 and rec["non_dp"] == 2
     assert rec["last"]["tokens_per_s_per_device"] == pytest.approx(rec["last"]["tokens_per_s"] / 2)

@@ -9,6 +9,9 @@
   unsharded load bitwise; so do tp=2, ep=2 and FSDP2 loads of a tiny DeepSeek-V3 (interleaved RoPE rows permuted
   per rank, ``kv_lora_rank=4`` so FSDP2 cuts ``wkv_a`` inside its RoPE rows; fused shared expert; correction bias),
   and tp=2 / FSDP2 loads of the Llama folder into fused ``wqkv`` / ``w13`` (issue 21) equal the joined unsharded load.
+- Issue 30, check 4: every load opens each safetensors file once per rank (counted), the big folder's 7 and a
+  2,001-tensor folder's 15 under FSDP2 (which also equals the unsharded load); the big folder's peak stays below
+  0.6 x the model, and is now its shard plus under 5% of the model (one 16 MiB piece of file pages at a time).
 - Issue 32, check 2: the big folder as the text model of a MoT VLM (every block tensor read into both modality towers: the
   decoder is 1.8 x the folder) under FSDP2: the load's peak per rank below 0.6 x that decoder's size; each of the
   four VLM archs from the small folder under FSDP2, and joint_decoder / MoT under tp=2, equal the unsharded load.
@@ -44,6 +47,8 @@ def _folders(tmp_path) -> dict:
                  num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
     big = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False)  # fmt: skip
+    many = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=222,
+                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
     return {
         "n_params": write_random_llama(big, tmp_path / "big"),
         "big": tmp_path / "big",
@@ -65,6 +70,8 @@ def _folders(tmp_path) -> dict:
             tmp_path / "qwen2_moe",
         ),
         "deepseek_v3": save_tiny_deepseek_v3(tmp_path / "deepseek_v3", kv_lora_rank=4),
+        # 222 blocks x 9 tensors + embedding, norm and head: 2,001 tensors in 15 files of 16 blocks.
+        "many": write_random_llama(many, tmp_path / "many", layers_per_file=16) and tmp_path / "many",
     }
 
 
@@ -82,6 +89,7 @@ def test_init_from_on_two_ranks(tmp_path):
     out = tmp_path / "record.json"
     args = ["--big", folders["big"], "--small", folders["small"], "--mixtral", folders["mixtral"]]
     args += ["--qwen2-moe", folders["qwen2_moe"], "--deepseek-v3", folders["deepseek_v3"], "--out", out]
+    args += ["--many", folders["many"]]
     launch(2, SCRIPT, list(map(str, args)), timeout=400)
     record = json.loads(out.read_text())
 
@@ -94,14 +102,24 @@ def test_init_from_on_two_ranks(tmp_path):
         # tensors, or keeping every mapped page, would be at least one model's size.
         peak = mem["materialize_bytes"][rank] + mem["load_bytes"][rank]
         assert mem["shard_bytes"][rank] <= peak < 0.6 * mem["model_bytes"], (rank, mem)
+        # Issue 30: file pages are unmapped after each 16 MiB piece of a slice, so reading adds one piece, not a
+        # tensor's pages (the whole embedding: 10% of this model).
+        assert peak - mem["shard_bytes"][rank] < 0.05 * mem["model_bytes"], (rank, mem)
     vlm = record["vlm_memory"]
     decoder_bytes = vlm["model_bytes"]  # the MoT backbone (both towers) and the tiny vision tower
     assert decoder_bytes > 1.7 * mem["model_bytes"], (vlm, mem)  # embedding and head are not per modality
     for rank in range(2):
         peak = vlm["materialize_bytes"][rank] + vlm["load_bytes"][rank]
         assert vlm["shard_bytes"][rank] <= peak < 0.6 * decoder_bytes, (rank, vlm)
+    # One open per safetensors file per rank, whatever the number of tensors (not one per key or per slice).
+    assert mem["files"] == 7 and mem["opens"] == [7, 7], mem
+    assert len(json.loads((folders["many"] / "model.safetensors.index.json").read_text())["weight_map"]) == 2001
+    for layout, rec in record["layouts"].items():
+        assert rec["opens"] == [rec["files"]] * 2, (layout, rec)
+    many = record["layouts"]["many_fsdp2"]
+    assert many["files"] == 15 and many["params"] > 1300, many  # fused wqkv / w13: 2,001 tensors, 1,335 params
     archs = ("joint_decoder", "cross_attention", "mot", "moma")
-    want_layouts = {"ds_tp2", "ds_ep2", "ds_fsdp2", "fused_tp2", "fused_fsdp2"}
+    want_layouts = {"ds_tp2", "ds_ep2", "ds_fsdp2", "fused_tp2", "fused_fsdp2", "many_fsdp2"}
     want_layouts |= {f"vlm_{a}_fsdp2" for a in archs} | {"vlm_joint_decoder_tp2", "vlm_mot_tp2"}
     assert want_layouts <= record["layouts"].keys()
     for layout, rec in record["layouts"].items():

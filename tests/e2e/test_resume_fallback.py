@@ -156,7 +156,8 @@ def _damage_record(ckpt: Path, rank: int) -> Path:
     file = ckpt / f"checksums_{rank:05d}.json"
     body = yaml.safe_load(file.read_text())
     name = sorted(body["files"])[0]
-    body["files"][name]["digest"] = "0" * len(body["files"][name]["digest"])
+    blocks = body["files"][name]["blocks"]
+    blocks[0] = "0" * len(blocks[0])
     file.write_text(yaml.safe_dump(body))
     return file
 

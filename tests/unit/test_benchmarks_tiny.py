@@ -30,6 +30,7 @@ SCRIPTS = {
     "chunked_ce_memory": "benchmarks/chunked_ce_memory.py",
     "startup": "benchmarks/startup.py",
     "data_io": "benchmarks/data_io.py",
+    "checkpoint_io": "benchmarks/checkpoint_io.py",
 }
 #: Every file of benchmarks/ and the test that runs it at a tiny shape (issue 29: none may break unnoticed).
 RUN_BY = {
@@ -169,3 +170,20 @@ def test_data_io_variants_count_the_same_tokens_and_the_loaders_report(tmp_path)
     loader = result["loader"]
     assert loader["tokens_per_step_per_rank"] == 8192 and loader["flops_per_token"] > 5e10  # the 8B recipe's shape
     assert all(_positive(row["tokens_per_s_per_rank"]) for row in loader["loaders"].values())
+
+
+def test_checkpoint_io_figures_at_a_tiny_decoder_on_two_processes(tmp_path):
+    """Issue 30, item 4: save / restore GB/s next to the disk's own, restores equal to what was saved, the async
+    save's stall and the host copy it is compared with, in the JSON the README quotes."""
+    result = _run("checkpoint_io", "--params", "1e6", "--nproc", "2", "--seq", "16", "--rounds", "1",
+                  "--dir", str(tmp_path), tmp=tmp_path)  # fmt: skip
+    assert result["machine"] and result["date"] and len(result["results"]) == 1
+    row = result["results"][0]
+    assert row["nproc"] == 2 and row["params"] >= 1e6 and row["restored_equal"] is True
+    for key in ("disk_write_gb_s", "disk_read_gb_s", "save_gb_s", "save_plain_gb_s", "restore_gb_s",
+                "restore_plain_gb_s", "save_of_disk", "restore_of_disk", "step_s", "copy_floor_s", "prestage_s"):  # fmt: skip
+        assert _positive(row[key]), (key, row[key])
+    assert len(row["async_stall_s"]) == 3 and all(_positive(x) for x in row["async_stall_s"])
+    assert _positive(row["async_stall_median_s"]) and _positive(row["async_stall_of_step"])
+    assert len(row["ranks"]) == 2 and all(len(r["rounds"]) == 1 for r in row["ranks"])
+    assert not list(tmp_path.glob("ckpt_io_*"))  # its files are removed

@@ -89,3 +89,49 @@ def test_retention_prunes_after_each_completed_save_not_every_step(
     _fit(tmp_path, shakespeare_tokens, CheckpointRetention(keep_last=2), ckpt)
     assert len(listings) == STEPS // EVERY  # one folder listing per completed save
     assert sorted(p.name for p in folder.glob("*.ckpt")) == [f"step={STEPS - EVERY:04d}.ckpt", f"step={STEPS:04d}.ckpt"]
+
+
+def test_staging_buffers_are_allocated_in_the_background_after_the_first_step(
+    tmp_path, shakespeare_tokens, monkeypatch
+):
+    """Issue 30, item 4: every host staging buffer is allocated once, on the checkpoint worker after the first
+    optimizer step, so the training thread's stall at every save (the first included) is the copy alone; the
+    saves still write the step's values (the last checkpoint restores the final weights)."""
+    import threading
+
+    import torch
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    from kempnerforge.checkpoint.load import load_checkpoint_model
+
+    allocations: list[str] = []  # the thread of every new staging storage
+    stages: list[str] = []
+    stage_storage = StateDictStager._stage_untyped_storage
+    stage = StateDictStager.stage
+
+    def counted_storage(self, storage, *args, **kwargs):
+        if storage not in self._cached_storage_mapping:
+            allocations.append(threading.current_thread().name)
+        return stage_storage(self, storage, *args, **kwargs)
+
+    def counted_stage(self, *args, **kwargs):
+        stages.append(threading.current_thread().name)
+        return stage(self, *args, **kwargs)
+
+    monkeypatch.setattr(StateDictStager, "_stage_untyped_storage", counted_storage)
+    monkeypatch.setattr(StateDictStager, "stage", counted_stage)
+    finals = {}
+
+    class Final(Callback):
+        def on_train_end(self, trainer, pl_module) -> None:
+            finals.update({k: v.detach().clone() for k, v in pl_module.model.state_dict().items()})
+
+    folder = tmp_path / "ckpt"
+    ckpt = ModelCheckpoint(dirpath=folder, filename="step={step:04d}", auto_insert_metric_name=False,
+                           every_n_train_steps=EVERY, save_top_k=-1)  # fmt: skip
+    _fit(tmp_path, shakespeare_tokens, ckpt, Final())
+    main = threading.main_thread().name
+    assert stages[0].startswith("kforge-checkpoint") and stages[1:] == [main] * (STEPS // EVERY), stages
+    assert allocations and set(allocations) == {stages[0]}, allocations  # none on the training thread
+    loaded = load_checkpoint_model(folder / f"step={STEPS:04d}.ckpt").model.state_dict()
+    assert all(torch.equal(loaded[k], finals[k]) for k in finals if not k.startswith("rope")), "saved values"

@@ -109,8 +109,8 @@ def _checkpoint(folder: Path, step: int) -> Path:
 
 
 def _shard(path: Path) -> Path:
-    (shard,) = path.glob("*.distcp")
-    return shard
+    """The first of the rank's shard files (it writes WRITER_THREADS of them)."""
+    return sorted(path.glob("*.distcp"))[0]
 
 
 CORRUPTIONS = {
@@ -128,19 +128,36 @@ CORRUPTIONS = {
 }
 
 
+def _restore(path: Path) -> None:
+    """What every rank of a restore does at world size 1: its own files, then its DCP read plan's shards."""
+    io_ = DCPCheckpointIO()
+    io_.load_checkpoint(path)
+    io_.load_sharded({"state_dict": {"w": torch.zeros(1024), "b": torch.zeros(7)}}, path)
+
+
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
 def test_verify_names_the_bad_file_and_auto_resume_takes_the_previous_checkpoint(tmp_path, kind, caplog):
+    from kempnerforge.checkpoint.verify import describe_failure
+
     older, newer = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
     verify_checkpoint(newer)  # whole
+    _restore(newer)
     corrupt, expected = CORRUPTIONS[kind]
     corrupt(newer)
     with pytest.raises(CorruptCheckpointError, match=expected) as caught:
-        verify_checkpoint(newer)
+        verify_checkpoint(newer)  # one process, every file (the tools)
     assert str(newer) in str(caught.value)
+    bad = caught.value.file
+    with pytest.raises(BaseException) as caught:  # a restore: the rank reading the file names it
+        _restore(newer)
+    assert str(bad) in describe_failure(caught.value), describe_failure(caught.value)
     assert find_resume_checkpoint(tmp_path) == newer  # COMPLETE is there: without verification it is taken
     auto = AutoResume(tmp_path)
-    assert auto.choose() == older
-    assert list(auto.rejected) == [newer] and expected in auto.rejected[newer]
+    assert auto.choose() == newer  # files are checked by the ranks restoring it, not by the choice
+    auto.reject(newer, describe_failure(caught.value))
+    assert auto.choose() == older and list(auto.rejected) == [newer]
+    with caplog.at_level("WARNING"):
+        assert find_resume_checkpoint(tmp_path, verify=True) == older  # one process verifying every file
     assert f"Auto-resume: checkpoint {newer} is corrupt" in caplog.text and "falling back" in caplog.text
 
 
@@ -154,16 +171,17 @@ def test_a_damaged_shard_is_named_when_dcp_reads_it(tmp_path):
     verify_checkpoint(path)
     state = {"state_dict": {"w": torch.zeros(1024), "b": torch.zeros(7)}}
     with pytest.raises(BaseException) as caught:  # DCP's CheckpointException is a BaseException
-        DCPCheckpointIO.load_sharded(state, path)
+        DCPCheckpointIO().load_sharded(state, path)
     from kempnerforge.checkpoint.verify import describe_failure
 
     assert f"{shard} fails its checksum" in describe_failure(caught.value)
 
 
-def test_every_checkpoint_bad_means_no_choice_but_rejections(tmp_path):
+def test_every_checkpoint_rejected_means_no_choice(tmp_path):
     only = _checkpoint(tmp_path, 2)
-    (only / "meta.pt").write_bytes(b"")
     auto = AutoResume(tmp_path)
+    assert auto.choose() == only
+    auto.reject(only, "bad")
     assert auto.choose() is None and list(auto.rejected) == [only]
     assert AutoResume(tmp_path / "none").choose() is None and AutoResume(tmp_path / "none").rejected == {}
 
@@ -191,7 +209,7 @@ def test_a_checkpoint_from_before_checksums_is_unverified_but_loads(tmp_path, ca
     assert check_ckpt(path) == 0
     assert capsys.readouterr().out.startswith(f"UNVERIFIED {path}")
     state = {"state_dict": {"w": torch.zeros(1024), "b": torch.zeros(7)}}
-    DCPCheckpointIO.load_sharded(state, path)
+    DCPCheckpointIO().load_sharded(state, path)
     assert torch.equal(state["state_dict"]["w"], torch.arange(1024.0))
 
 
