@@ -458,24 +458,28 @@ class CausalLM(LightningModule):
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """Lightning's optimizer step, with the step's gradients normalized by its global target-token
         count right after the closure's last backward, so every callback's ``on_before_optimizer_step``
-        (which Lightning runs before the module's) sees the gradients of the logged ``train/loss``.
-
-        The gradients are freed (``zero_grad(set_to_none=True)``) right after the update, as torchtitan's loop
-        does: Lightning's own ``zero_grad`` runs after the next ``training_step``, so every forward would hold the
-        last step's gradient shards (4 GB per rank for llama3_8b at 1 x 8), a peak ``kforge estimate`` does not
-        simulate. Callbacks see the gradients up to ``on_before_optimizer_step``; ``on_before_zero_grad`` sees none.
-        """
+        (which Lightning runs before the module's) sees the gradients of the logged ``train/loss``."""
         if optimizer_closure is None:
             optimizer.step()
-        else:
+            return
 
-            def closure() -> Any:
-                out = optimizer_closure()
-                self._finish_step_gradients()
-                return out
+        def closure() -> Any:
+            out = optimizer_closure()
+            self._finish_step_gradients()
+            return out
 
-            optimizer.step(closure=closure)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.step(closure=closure)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Free the last step's gradients before this step's forward, as torchtitan's loop does (its ``zero_grad``
+        opens the step): Lightning's own ``zero_grad`` runs after ``training_step``, so every forward would hold the
+        last step's gradient shards (4 GB per rank for llama3_8b at 1 x 8), a peak ``kforge estimate`` does not
+        simulate. Only at the first micro-batch of an accumulation window (Lightning's rule); callbacks still see the
+        gradients up to ``on_train_batch_end`` of the step that made them."""
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:
+            for optimizer in self.trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
 
     def _finish_step_gradients(self) -> None:
         # With gradient accumulation, the one pass that divides the accumulated gradients by the step's

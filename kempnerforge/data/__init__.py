@@ -27,9 +27,9 @@ _EXPORTS = {
     "PackedTokenStream": "hf_dataset",
     "load_local_dataset": "sources",
     "StreamingTokenDataModule": "streaming",
-    "load_tokenizer": "prepare",
+    "load_tokenizer": "local_tokenizer",
     "prepare_data": "prepare",
-    "prepare_main": "prepare",
+    "prepare_main": "prepare_cli",
 }
 
 __all__ = sorted(_EXPORTS)

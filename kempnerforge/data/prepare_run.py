@@ -215,7 +215,7 @@ _WORKER: dict[str, Any] = {}
 
 def _init_worker(job: Job, tok: Any = None) -> None:
     """A worker's state: the job and the tokenizer (a forked worker shares the parent's, already loaded)."""
-    from kempnerforge.data.prepare import load_tokenizer
+    from kempnerforge.data.local_tokenizer import load_tokenizer
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the processes are the parallelism
     _WORKER.update(job=job, tok=tok if tok is not None else load_tokenizer(job.tokenizer))

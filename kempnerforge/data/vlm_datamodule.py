@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from kempnerforge.errors import UserError
 from kempnerforge.data.datamodule import ResumableLoaders
 from kempnerforge.data.image_text import ImageTextCollator, ImageTextDataset
+from kempnerforge.errors import UserError
 
 
 class MediaTextDataModule(ResumableLoaders, abc.ABC):
@@ -59,7 +59,8 @@ class MediaTextDataModule(ResumableLoaders, abc.ABC):
             raise ValueError(f"data.vocab_size={vocab_size} must be >= 1.")
         if tokenizer is None:
             raise UserError(
-                "data.tokenizer", "required: a local tokenizer folder (with model.init_from, that folder is the default)"
+                "data.tokenizer",
+                "required: a local tokenizer folder (with model.init_from, that folder is the default)",
             )
         self.save_hyperparameters()
         self.source, self.format, self.tokenizer_path = source, format, tokenizer

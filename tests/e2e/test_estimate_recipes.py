@@ -112,7 +112,9 @@ def test_llama3_8b_fits_on_8_gpus_with_fsdp2(llama3_8b):
     terms, peak = llama3_8b["verdict"]["allowance"], llama3_8b["roles"][0]["peak_bytes"]
     quoted = " + ".join(f"{terms[k] / 1e9:.2f}" for k in ("cuda_context", "nccl", "workspaces", "fragmentation"))
     total, headroom = (llama3_8b["verdict"]["needed_bytes"] - peak) / 1e9, llama3_8b["verdict"]["headroom_bytes"]
-    assert f"that is {quoted} = {total:.2f} GB on its {_gb(peak)} peak (headroom {headroom / 1e9:.1f} GB of 80)" in _page()
+    assert (
+        f"that is {quoted} = {total:.2f} GB on its {_gb(peak)} peak (headroom {headroom / 1e9:.1f} GB of 80)" in _page()
+    )
     (role,) = llama3_8b["roles"]
     assert role["optimizer_bytes"] == pytest.approx(2 * role["params_bytes"], rel=0.01)  # AdamW: two moments
     comm = role["comm"]

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from kempnerforge.data.prepare import prepare_main
+from kempnerforge.data.prepare_cli import prepare_main
 from kempnerforge.tools.convert import convert_main
 from tests.e2e.inprocess import kforge_in_process
 from tests.e2e.test_user_errors import started  # noqa: F401  (the fixture)

@@ -28,7 +28,8 @@ from kempnerforge.data.chat_dataset import ChatDataset, pack_best_fit
 from kempnerforge.data.chat_prepare import prepare_chat_data
 from kempnerforge.data.chat_template import ChatDataError, load_chat_tokenizer, tokenize_conversations
 from kempnerforge.data.memmap import MemmapTokenDataset, TokenDataError
-from kempnerforge.data.prepare import prepare_data, prepare_main
+from kempnerforge.data.prepare import prepare_data
+from kempnerforge.data.prepare_cli import prepare_main
 from kempnerforge.errors import UserError
 from kempnerforge.module import CausalLM
 from kempnerforge.training.lr import SchedulerConfig

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from kempnerforge.data.prepare import load_tokenizer, prepare_data, prepare_main
+from kempnerforge.data.prepare import load_tokenizer, prepare_data
+from kempnerforge.data.prepare_cli import prepare_main
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "data" / "tokenizers" / "gpt2"

@@ -197,9 +197,9 @@ def test_every_suggestion_rerun_as_printed_gives_its_peak_and_passes_preflight(c
         assert again.verdict.fits == s.fits
         if "pinned" in case:  # pinned in the recipe: every suggestion moves it
             assert "--trainer.strategy.init_args.dp_shard=" in s.change, s.change
-        if s.knob == "tp" and case == "large-vocab-tp":  # full local logits at tp = 2, as the README quotes
+        if s.knob == "tp" and case == "large-vocab-tp":  # full local logits at tp = 2, as the estimate how-to quotes
             assert s.peak_bytes > peak and not s.fits
-            readme = " ".join((REPO / "README.md").read_text().split())
+            readme = " ".join((REPO / "docs" / "how-to" / "estimate.md").read_text().split())
             assert f"(full AC; peak {gb(peak)}) gets `tp=2` at peak {gb(s.peak_bytes)}," in readme
     assert any(s.fits for s in suggestions) == one_fits
     data = json.loads(json.dumps(est.to_json()))
