@@ -22,6 +22,7 @@ weight is never dropped silently.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import asdict
@@ -43,8 +44,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: Checkpoint metadata key of an imported model's special token ids (``bos/eos/pad_token_id``), restored on export.
 HF_TOKEN_IDS_KEY = "hf_token_ids"
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-#: Files of a model directory that are not the tokenizer's (never copied as tokenizer files).
-_NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.index.json")
+#: Files of a model directory that are not the tokenizer's (never copied as tokenizer files; a README is the source
+#: folder's model card, not the exported model's).
+_NOT_TOKENIZER = ("config.json", "generation_config.json", "model.safetensors.index.json", "README.md")
 
 
 def hf_family(cfg: ModelConfig) -> ModuleType:
@@ -133,13 +135,15 @@ def _text_model(ckpt: str | Path, dtype: torch.dtype, tokenizer: str | Path | No
     family = hf_family(loaded.config)
     hf_config = family.to_hf_config(loaded.config)
     hf_config.dtype = dtype
-    for key, value in (loaded.meta.get(HF_TOKEN_IDS_KEY) or {}).items():  # an imported model's bos/eos/pad ids
-        setattr(hf_config, key, value)
+    tok = tokenizer if tokenizer is not None else loaded.tokenizer
+    ids = tokenizer_token_ids(tok) if tok is not None else {}
+    ids.update(loaded.meta.get(HF_TOKEN_IDS_KEY) or {})  # an imported model's bos/eos/pad ids win
+    for key in _TOKEN_IDS:  # never the family config's defaults (Llama's 1 / 2 are '"' and '#' in GPT-2's vocabulary)
+        setattr(hf_config, key, ids.get(key))
     hf_sd = _cast(
         family.to_hf_state_dict(loaded.model.state_dict(), loaded.config), dtype, getattr(family, "KEEP_FP32", ())
     )
     hf_model = _hf_model_with(hf_config, hf_sd, loaded.config.tie_embeddings)
-    tok = tokenizer if tokenizer is not None else loaded.tokenizer
 
     def write_extras(folder: Path) -> None:
         if tok is not None:
@@ -211,9 +215,25 @@ def _swap_in(staging: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(old, ignore_errors=True)
         out.rename(old)
-    staging.chmod(0o755)  # mkdtemp makes it 0700
+    mask = _umask()
+    for f in staging.rglob("*"):  # safetensors writes its files 0600: the group could not read the weights
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
+    staging.chmod(0o777 & ~mask)  # mkdtemp makes it 0700
     staging.rename(out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    """The process's umask (the permissions every other file the user writes gets), read without changing it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc: the only portable read sets it, so it is set straight back
+    os.umask(mask)
+    return mask
 
 
 def _hf_model_with(hf_config, hf_sd: dict[str, torch.Tensor], tied: bool, model_cls=None) -> nn.Module:
@@ -233,6 +253,21 @@ def _hf_model_with(hf_config, hf_sd: dict[str, torch.Tensor], tied: bool, model_
     if tied:
         model.tie_weights()
     return model
+
+
+def tokenizer_token_ids(tokenizer_dir: str | Path) -> dict[str, int]:
+    """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of a local tokenizer folder (those it defines), as
+    ``transformers.AutoTokenizer`` reads them: what an exported ``config.json`` and ``generation_config.json`` carry
+    so that ``generate`` stops at the tokenizer's end of text.
+
+    Raises:
+        OSError: the folder holds no tokenizer ``transformers`` can load.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    return {key: int(value) for key, value in ids.items() if value is not None}
 
 
 def copy_tokenizer_files(tokenizer_dir: str | Path, output_dir: Path) -> list[str]:

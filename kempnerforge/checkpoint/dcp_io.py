@@ -138,6 +138,16 @@ def _save_file(obj: Any, file: Path, record: Record) -> None:
     save_hashed(obj, file, record)
 
 
+def _where_to_look(path: Path) -> str:
+    """The hint after "not a complete checkpoint": a Hugging Face folder is imported first; otherwise the ``latest``
+    pointer beside it, when there is one."""
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return f"It is a Hugging Face folder: import it with `kforge convert hf-to-dcp --hf_dir {path} --output_dir <folder>`."
+    if (path.parent / LATEST_FILE).is_file():
+        return f"The newest complete checkpoint is named in {path.parent / LATEST_FILE}."
+    return "Give a checkpoint folder (step=N.ckpt) or the folder holding its `latest` file."
+
+
 def _saved_line(path: Path, step: int | None, nbytes: int, seconds: float, stall: float | None = None) -> None:
     """Rank 0's one line per completed save: where, which step, how big, how long (async: and how long training
     waited for the device-to-host copy)."""
@@ -423,10 +433,8 @@ class DCPCheckpointIO(CheckpointIO):
             )
         missing = [n for n in (".metadata", META_FILE, COMPLETE_FILE) if not (path / n).is_file()]
         if missing:
-            raise CheckpointError(
-                f"{path} is not a complete kempnerforge checkpoint: missing {', '.join(missing)}. "
-                f"The newest complete checkpoint is named in {path.parent / LATEST_FILE}."
-            )
+            raise CheckpointError(f"{path} is not a complete kempnerforge checkpoint: missing {', '.join(missing)}. "
+                                  + _where_to_look(path))  # fmt: skip
         return path
 
     @override

@@ -59,8 +59,19 @@ def test_partial_and_incomplete_checkpoints_are_refused(tmp_path):
     broken = tmp_path / "step=8.ckpt"
     broken.mkdir()
     (broken / ".metadata").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"not a complete kempnerforge checkpoint: missing meta.pt"):
+    with pytest.raises(
+        CheckpointError, match=r"not a complete kempnerforge checkpoint: missing meta.pt.*folder holding"
+    ):
+        io.resolve(broken)  # no `latest` beside it: the hint does not name one
+    (tmp_path / "latest").write_text("step=7.ckpt\n")
+    with pytest.raises(CheckpointError, match=r"missing meta.pt.*newest complete checkpoint is named in .*latest"):
         io.resolve(broken)
+    hf = tmp_path / "hf"  # a Hugging Face folder given where a checkpoint goes: import it first
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"Hugging Face folder: import it with `kforge convert hf-to-dcp"):
+        io.resolve(hf)
 
 
 def test_rng_state_round_trips_through_weights_only_load(tmp_path):

@@ -66,6 +66,28 @@ def test_dcp_to_hf_logits_match(kind, trained, exported):
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
 
 
+def test_export_carries_the_tokenizers_ids_is_readable_by_the_group_and_has_no_foreign_card(exported, gpt2_tokenizer_dir):
+    """A model trained on GPT-2's tokenizer ends text at its ``<|endoftext|>`` (50256), not at Llama's defaults 1 / 2
+    (``"`` and ``#`` there); the folder gets the umask's permissions (safetensors writes 0600); the tokenizer's README
+    is not copied as the model card."""
+    import os
+    import stat
+
+    tok = transformers.AutoTokenizer.from_pretrained(gpt2_tokenizer_dir, local_files_only=True)
+    folder = exported["dense"]
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    generation = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
+    assert tok.eos_token_id == 50256 and tok.bos_token_id == 50256
+    assert (config.bos_token_id, config.eos_token_id) == (tok.bos_token_id, tok.eos_token_id)
+    assert (generation.bos_token_id, generation.eos_token_id) == (tok.bos_token_id, tok.eos_token_id)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~mask
+    for f in folder.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~mask, f.name
+    assert (gpt2_tokenizer_dir / "README.md").is_file() and not (folder / "README.md").exists()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_hf_to_dcp_weights_bit_identical(kind, trained, exported, tmp_path):
     original = load_checkpoint_model(trained[kind][0])
