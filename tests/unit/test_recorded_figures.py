@@ -52,6 +52,11 @@ def test_checkpoint_summaries_quote_the_recorded_run():
         f"/ {two['restore_of_disk']:.0%}, async stall {_stall_over_copy(one):.1f}x / {_stall_over_copy(two):.1f}x the host copy"
     )
     assert summary in _doc("performance/index.md")
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (
+        f"save {one['save_of_disk']:.0%} of its fsync-ed write bandwidth, restore {one['restore_of_disk']:.0%} of its read"
+        in readme
+    )
     prose = f"{_stall_over_copy(one):.1f}x the plain host copy on one process, {_stall_over_copy(two):.1f}x on two"
     assert prose in _doc("how-to/checkpoints.md")
 
