@@ -497,12 +497,28 @@ class CausalLM(LightningModule):
         # Not prog_bar: Lightning converts prog_bar metrics to numbers after every batch (a host sync);
         # kempnerforge.callbacks.ProgressBar shows train/loss at the logging interval instead.
         self.log("train/loss", global_loss, rank_zero_only=True)
+        groups = getattr(self.trainer.strategy, "replica_groups", None)
+        if groups is not None:  # fault tolerance: the groups whose gradients this step summed (known on the host)
+            self.log(
+                "train/replica_groups",
+                torch.tensor(float(groups.participants), dtype=torch.float64),
+                rank_zero_only=True,
+            )
         pp_group = getattr(self.trainer.strategy, "pp_group", None)  # pipeline stages: norm over all of them
         # A tied embedding's copy on the last pipeline stage: clipped, but counted once (on the first stage).
         skip = getattr(self.trainer.strategy, "grad_norm_skip", ())
         norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=pp_group, norm_skip=skip)
         self.log("train/grad_norm", norm, rank_zero_only=True)
         self._moe_step()
+
+    @override
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Lightning's scheduler step, skipped after an optimizer step that fault tolerance did not commit
+        (:mod:`kempnerforge.strategies.replica_steps`): the schedule follows the committed steps."""
+        groups = getattr(self.trainer.strategy, "replica_groups", None) if _has_trainer(self) else None
+        if groups is not None and not groups.committed:
+            return
+        super().lr_scheduler_step(scheduler, metric)
 
     def _moe_step(self) -> None:
         """MoE only: the once-per-optimizer-step router bias update (DeepSeek-V3 aux-loss-free

@@ -1,0 +1,205 @@
+"""torchft's Manager for one replica group: quorum per step, gradient shards summed across groups, commit vote.
+
+How a step runs with fault tolerance (torchft's protocol, https://github.com/pytorch/torchft, as torchtitan wires it
+into FSDP2): :meth:`ReplicaGroups.start_step` asks the lighthouse for a quorum in the background while the forward
+runs; the step's target-token count (:meth:`sum_across_groups`) and every FSDP unit's reduce-scattered gradient shard
+(the all-reduce hook, :meth:`install_hooks`) are summed over the groups in the quorum; :meth:`should_commit` after the
+backward tells whether every group's collectives succeeded (a group that died makes them fail: the step is dropped
+everywhere and the next quorum goes on without it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ReduceOp
+
+from kempnerforge.resilience.ft_config import FaultTolerance
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaGroups:
+    """One group's view of the replica groups (a ``torchft.Manager`` per rank, rank 0 hosting its server).
+
+    Args:
+        config: the strategy's :class:`~kempnerforge.resilience.ft_config.FaultTolerance`.
+        group_rank: this rank in its group (the group's global rank).
+        group_size: the group's world size.
+        store_addr, store_port: the group's own TCPStore (the rendezvous store; the manager connects as a client).
+        device_type: ``"cpu"`` (gloo across groups) or ``"cuda"`` (NCCL across groups).
+
+    The Manager is built with ``init_sync=False``: every group initializes its weights from the same seed (and a
+    resumed group from the same checkpoint), so step 0 needs no transfer; a group behind the others heals.
+    """
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        group_rank: int,
+        group_size: int,
+        store_addr: str,
+        store_port: int,
+        device_type: str,
+    ) -> None:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self.config = config
+        self.group_id = config.replica_group_id
+        timeout = timedelta(seconds=config.timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.groups: tuple[int, ...] = ()  # the group ids of the last quorum (from the process group's configure)
+        self._watch_configure(pg, group_size)
+        self.manager = Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=config.min_replica_groups,
+            use_async_quorum=True,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=config.lighthouse_address(),
+            replica_id=f"replica_group_{config.replica_group_id}",
+            init_sync=False,
+        )
+        self.committed: bool = True  # the last step's vote (the LR schedule and the step counter follow it)
+        self._members: tuple[int, ...] | None = None  # groups in the last quorum this group logged
+        self._heal_started: float | None = None
+        self.heal_seconds: float | None = None  # how long this group's last heal took (s)
+
+    def _watch_configure(self, pg: Any, group_size: int) -> None:
+        # torchft reconfigures the cross-group process group once per new quorum, with the members' global ranks
+        # (group id * group size + group rank): the only place the quorum's membership is visible.
+        configure = pg.configure
+
+        def recording(*args: Any, **kwargs: Any) -> None:
+            ranks = kwargs.get("global_ranks") or (args[7] if len(args) > 7 else None) or []
+            self.groups = tuple(sorted(r // group_size for r in ranks))
+            configure(*args, **kwargs)
+
+        pg.configure = recording
+
+    # -- state handed to a healing group -----------------------------------------------------------
+
+    def register_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
+        """What a live group sends a healing one under ``key`` (``save`` runs on the sender's quorum thread)."""
+        self.manager.register_state_dict_fn(key, load, save)
+
+    def set_step(self, step: int) -> None:
+        """Start the manager's step count at ``step`` (a run resumed from a checkpoint at that optimizer step)."""
+        self.manager.load_state_dict({"step": int(step), "batches_committed": 0})
+
+    def heal_before_first_step(self) -> bool:
+        """The first quorum, run synchronously before the loader starts: a group behind the quorum's highest step
+        receives and applies the live peer's state here, so its first batch is drawn at the peers' position.
+        The same quorum serves this group's first step (no second quorum is asked for then). Returns whether it
+        healed."""
+        started = time.monotonic()
+        self.manager.start_quorum()
+        self.manager.wait_quorum()
+        healed = bool(self.manager._healing)
+        if healed:
+            # torchft applies a pending heal at should_commit (async quorum) or right away (sync quorum); this is the
+            # sync path's own sequence, run once, so the first batch already sees the healed state.
+            self.manager._apply_pending_state_dict()
+            self.manager._healing = False
+            self.heal_seconds = time.monotonic() - started
+        self._first_quorum_done = True
+        self._log_quorum()
+        return healed
+
+    # -- per step ------------------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Ask for this step's quorum in the background (before the forward); the first step's came from
+        :meth:`heal_before_first_step`."""
+        if getattr(self, "_first_quorum_done", False):
+            self._first_quorum_done = False
+            return
+        self.manager.start_quorum()
+
+    def sum_across_groups(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over the groups in the quorum (a group not taking part, e.g. while healing,
+        adds zeros). Waits for the quorum and the collective. On a failed collective the tensor is left as is and
+        the step will not commit."""
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+
+    def install_hooks(self, model: nn.Module) -> int:
+        """Sum every FSDP2 unit's reduce-scattered gradient shard across the groups
+        (``FSDPModule.set_all_reduce_hook``); returns the number of units hooked.
+
+        Raises:
+            ValueError: a module has no FSDP2 unit (fault tolerance needs the strategy's FSDP2 wrapping).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise ValueError("fault_tolerance needs FSDP2-wrapped modules; none found.")
+        for unit in units:
+            unit.set_all_reduce_hook(self.sum_across_groups)
+        return len(units)
+
+    def should_commit(self, step: int) -> bool:
+        """After the backward: whether every group in the quorum finished the step (torchft's vote); logs one line
+        when it did not, and one line when the quorum changed."""
+        self.committed = bool(self.manager.should_commit())
+        self._log_quorum()
+        if not self.committed:
+            log.warning(
+                "Replica group %d: step %d not committed (a group left the quorum mid-step or fewer than "
+                "min_replica_groups=%d took part); the step is dropped, weights and step counter unchanged.",
+                self.group_id,
+                step,
+                self.config.min_replica_groups,
+            )
+        return self.committed
+
+    @property
+    def participants(self) -> int:
+        """Groups whose gradients this step summed (``train/replica_groups``)."""
+        return self.manager.num_participants()
+
+    def _log_quorum(self) -> None:
+        groups = self.groups
+        if groups == self._members:
+            return
+        before, self._members = self._members, groups
+        change = ""
+        if before is not None:
+            left, joined = sorted(set(before) - set(groups)), sorted(set(groups) - set(before))
+            change = "".join(
+                [
+                    f"; left: {', '.join(map(str, left))}" if left else "",
+                    f"; joined: {', '.join(map(str, joined))}" if joined else "",
+                ]
+            )
+        heal = (
+            f"; healed from a live group in {self.heal_seconds:.2f} s"
+            if self.heal_seconds is not None and before is None
+            else ""
+        )
+        log.info(
+            "Replica group %d: quorum at step %d: groups %s of %d%s%s.",
+            self.group_id,
+            self.manager.current_step(),
+            list(groups),
+            self.config.num_replica_groups,
+            change,
+            heal,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the manager server and the checkpoint transport (no wait: peers may be gone)."""
+        self.manager.shutdown(wait=False)
