@@ -22,6 +22,7 @@ from kempnerforge.resilience.heal_state import (
     loop_position,
     model_shards,
     optimizer_shards,
+    sharded_tensors,
     train_sampler,
 )
 
@@ -55,11 +56,12 @@ def attach(strategy: Any, trainer: Any) -> None:
     groups, module = strategy.replica_groups, strategy.lightning_module
     groups.install_hooks(module.model)
     module._step_tokens.outer_reduce = groups.sum_across_groups
+    tensors = sharded_tensors(module.model)
     mbs = int(getattr(trainer.datamodule, "micro_batch_size", 0) or 0) if trainer.datamodule is not None else 0
 
     def save() -> dict[str, Any]:
         return {
-            "model": model_shards(module.model),
+            "model": model_shards(tensors),
             "optimizers": [optimizer_shards(o) for o in trainer.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "loop": loop_position(trainer),
@@ -67,7 +69,7 @@ def attach(strategy: Any, trainer: Any) -> None:
         }
 
     def load(state: dict[str, Any]) -> None:
-        load_model_shards(module.model, state["model"])
+        load_model_shards(tensors, state["model"])
         for optimizer, sd in zip(trainer.optimizers, state["optimizers"], strict=True):
             load_optimizer_shards(optimizer, sd)
         for config, sd in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):

@@ -19,33 +19,53 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def model_shards(model: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's local shard of every parameter and buffer, by FQN (views, no copy: the transport serializes them
-    before the sender's next optimizer step, see the module docstring)."""
-    out = {name: _local(p.detach()) for name, p in model.named_parameters()}
-    out.update({f"buffer:{name}": _local(b) for name, b in model.named_buffers()})
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    # torchft's streaming save writes a tensor's whole storage and drops the view (FSDP2's local shard is a view of a
+    # padded buffer): a view is copied (a CUDA tensor is copied to the host by the transport anyway).
+    t = _local(t)
+    whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def sharded_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by FQN (buffers prefixed ``buffer:``), taken while the model is sharded
+    (after setup): FSDP2 swaps a unit's registered parameters for unsharded tensors during its forward and backward,
+    and the sender's state is read on torchft's quorum thread while its forward runs, so the sharded parameter objects
+    (the ones the optimizer holds) are kept from here."""
+    out = dict(model.named_parameters())
+    out.update({f"buffer:{name}": b for name, b in model.named_buffers()})
     return out
 
 
+def model_shards(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's local shard of every tensor of :func:`sharded_tensors` (no copy unless the shard is a view of a
+    larger buffer: the transport serializes them before the sender's next optimizer step, see the module docstring)."""
+    return {name: _sendable(t.detach()) for name, t in tensors.items()}
+
+
 @torch.no_grad()
-def load_model_shards(model: nn.Module, shards: dict[str, torch.Tensor]) -> None:
-    """Copy :func:`model_shards` of a peer into this model's local shards in place.
+def load_model_shards(tensors: dict[str, torch.Tensor], shards: dict[str, torch.Tensor]) -> None:
+    """Copy :func:`model_shards` of a peer into the local shards of :func:`sharded_tensors` in place.
 
     Raises:
         KeyError: a parameter or buffer the peer did not send (the groups' models differ).
-        RuntimeError: a shard of another shape (the groups' layouts differ).
+        RuntimeError: a shard of another shape (the groups' layouts differ), naming the tensor.
     """
-    for name, p in model.named_parameters():
-        _local(p).copy_(shards[name])
-    for name, b in model.named_buffers():
-        _local(b).copy_(shards[f"buffer:{name}"])
+    for name, tensor in tensors.items():
+        local, received = _local(tensor), shards[name]
+        if received.shape != local.shape:
+            raise RuntimeError(
+                f"{name}: received shard {tuple(received.shape)}, this rank holds {tuple(local.shape)}: the replica "
+                "groups' layouts differ (every group must have the same mesh and degrees)."
+            )
+        local.copy_(received)
 
 
 def optimizer_shards(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with every DTensor state (moments) replaced by its local shard."""
     sd = optimizer.state_dict()
     state = {
-        idx: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        idx: {k: _sendable(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
         for idx, s in sd["state"].items()
     }
     return {"state": state, "param_groups": sd["param_groups"]}

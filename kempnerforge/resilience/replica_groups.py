@@ -10,19 +10,17 @@ everywhere and the next quorum goes on without it).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed import ReduceOp
 
 from kempnerforge.resilience.ft_config import FaultTolerance
-
-log = logging.getLogger(__name__)
 
 
 class ReplicaGroups:
@@ -75,6 +73,7 @@ class ReplicaGroups:
         )
         self.committed: bool = True  # the last step's vote (the LR schedule and the step counter follow it)
         self._members: tuple[int, ...] | None = None  # groups in the last quorum this group logged
+        self._quorum_id: int | None = None
         self._heal_started: float | None = None
         self.heal_seconds: float | None = None  # how long this group's last heal took (s)
 
@@ -116,7 +115,7 @@ class ReplicaGroups:
             self.manager._healing = False
             self.heal_seconds = time.monotonic() - started
         self._first_quorum_done = True
-        self._log_quorum()
+        self._log_quorum(self.manager.current_step())
         return healed
 
     # -- per step ------------------------------------------------------------------------------------
@@ -154,15 +153,13 @@ class ReplicaGroups:
     def should_commit(self, step: int) -> bool:
         """After the backward: whether every group in the quorum finished the step (torchft's vote); logs one line
         when it did not, and one line when the quorum changed."""
+        self._log_quorum(step)  # the quorum was awaited by the step's collectives
         self.committed = bool(self.manager.should_commit())
-        self._log_quorum()
         if not self.committed:
-            log.warning(
-                "Replica group %d: step %d not committed (a group left the quorum mid-step or fewer than "
-                "min_replica_groups=%d took part); the step is dropped, weights and step counter unchanged.",
-                self.group_id,
-                step,
-                self.config.min_replica_groups,
+            rank_zero_warn(
+                f"Replica group {self.group_id}: step {step} not committed (a group left the quorum mid-step or fewer "
+                f"than min_replica_groups={self.config.min_replica_groups} took part); the step is dropped, weights, "
+                "schedule and step counter unchanged."
             )
         return self.committed
 
@@ -171,33 +168,24 @@ class ReplicaGroups:
         """Groups whose gradients this step summed (``train/replica_groups``)."""
         return self.manager.num_participants()
 
-    def _log_quorum(self) -> None:
-        groups = self.groups
-        if groups == self._members:
+    def _log_quorum(self, step: int) -> None:
+        # One line per new quorum (torchft numbers them): which groups left or joined, the steps committed before it,
+        # and the heal.
+        quorum_id, groups = self.manager._quorum_id, self.groups
+        if quorum_id == self._quorum_id:
             return
-        before, self._members = self._members, groups
+        before, self._members, self._quorum_id = self._members, groups, quorum_id
         change = ""
         if before is not None:
             left, joined = sorted(set(before) - set(groups)), sorted(set(groups) - set(before))
-            change = "".join(
-                [
-                    f"; left: {', '.join(map(str, left))}" if left else "",
-                    f"; joined: {', '.join(map(str, joined))}" if joined else "",
-                ]
-            )
-        heal = (
-            f"; healed from a live group in {self.heal_seconds:.2f} s"
-            if self.heal_seconds is not None and before is None
-            else ""
-        )
-        log.info(
-            "Replica group %d: quorum at step %d: groups %s of %d%s%s.",
-            self.group_id,
-            self.manager.current_step(),
-            list(groups),
-            self.config.num_replica_groups,
-            change,
-            heal,
+            change = (f"; left: {left}" if left else "") + (f"; joined: {joined}" if joined else "")
+            change = change or "; same groups, a member restarted"
+        heal = ""
+        if self.heal_seconds is not None and before is None:
+            heal = f"; this group healed from a live group in {self.heal_seconds:.2f} s"
+        rank_zero_info(
+            f"Replica group {self.group_id}: quorum {quorum_id} at step {step}: groups "
+            f"{list(groups)} of {self.config.num_replica_groups}{change}{heal}."
         )
 
     def shutdown(self) -> None:

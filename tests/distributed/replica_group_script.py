@@ -114,9 +114,7 @@ def main() -> None:
         "steps": record.steps,
         "global_step": trainer.global_step,
         "params": {n: _local(q) for n, q in module.model.named_parameters()},
-        "optim": {
-            n: {k: _local(v) for k, v in optimizer.state[q].items()} for n, q in module.model.named_parameters()
-        },
+        "optim": {n: {k: _local(v) for k, v in optimizer.state[q].items()} for n, q in module.model.named_parameters()},
         "lr": optimizer.param_groups[0]["lr"],
     }
     group = args.group if args.group is not None else 0

@@ -19,6 +19,7 @@ SCRIPT = HERE / "replica_group_script.py"
 @contextlib.contextmanager
 def lighthouse(min_replicas: int, join_timeout_ms: int = 60_000, heartbeat_timeout_ms: int = 2_000):
     """A torchft lighthouse on a free port for the ``with`` block; yields its ``http://host:port``."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum and vote at info
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(
@@ -40,7 +41,7 @@ class Group:
     def __init__(self, name: str, nproc: int, args: list[str], env: dict[str, str], logs: Path) -> None:
         ctx = _forkserver()
         port, run_id = _free_port(), uuid.uuid4().hex
-        base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+        base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RUST_LOG": "warn", **env}
         self.files = [(logs / f"{name}.{r}.out", logs / f"{name}.{r}.err") for r in range(nproc)]
         self.procs = [
             ctx.Process(
