@@ -118,6 +118,7 @@ def commit(strategy: Any) -> bool:
     schedule (the module skips ``lr_scheduler_step``) and Lightning's step counter as they were: the counter counts
     committed steps, so every group stops at ``max_steps`` together. Returns whether the step commits."""
     trainer = strategy.lightning_module.trainer
+    strategy.replica_groups.sum_unhooked_gradients()
     if strategy.replica_groups.should_commit(trainer.global_step):
         return True
     # Lightning counts the step around the module's optimizer_step hook (ready before, completed after): take this

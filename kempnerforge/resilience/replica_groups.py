@@ -74,7 +74,7 @@ class ReplicaGroups:
         self.committed: bool = True  # the last step's vote (the LR schedule and the step counter follow it)
         self._members: tuple[int, ...] | None = None  # groups in the last quorum this group logged
         self._quorum_id: int | None = None
-        self._heal_started: float | None = None
+        self._unhooked: list[torch.Tensor] = []  # parameters whose gradients no FSDP2 hook sums
         self.heal_seconds: float | None = None  # how long this group's last heal took (s)
 
     def _watch_configure(self, pg: Any, group_size: int) -> None:
@@ -136,19 +136,23 @@ class ReplicaGroups:
 
     def install_hooks(self, model: nn.Module) -> int:
         """Sum every FSDP2 unit's reduce-scattered gradient shard across the groups
-        (``FSDPModule.set_all_reduce_hook``); returns the number of units hooked.
-
-        Raises:
-            ValueError: a module has no FSDP2 unit (fault tolerance needs the strategy's FSDP2 wrapping).
-        """
+        (``FSDPModule.set_all_reduce_hook``, as torchtitan does); returns the number of units hooked. A model left
+        unwrapped (a one-rank group in fp32: FSDP2 has nothing to shard) has its gradients summed after the backward
+        instead (:meth:`sum_unhooked_gradients`)."""
         from torch.distributed.fsdp import FSDPModule
 
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        if not units:
-            raise ValueError("fault_tolerance needs FSDP2-wrapped modules; none found.")
         for unit in units:
             unit.set_all_reduce_hook(self.sum_across_groups)
+        self._unhooked = [] if units else [p for p in model.parameters() if p.requires_grad]
         return len(units)
+
+    def sum_unhooked_gradients(self) -> None:
+        """After the backward, for a model without FSDP2 units: every gradient summed across the groups (all the
+        collectives issued, then awaited)."""
+        works = [self.manager.allreduce(p.grad, reduce_op=ReduceOp.SUM) for p in self._unhooked if p.grad is not None]
+        for work in works:
+            work.wait()
 
     def should_commit(self, step: int) -> bool:
         """After the backward: whether every group in the quorum finished the step (torchft's vote); logs one line
