@@ -153,3 +153,40 @@ def test_whole_job_restart_resumes_exactly(uninterrupted, shakespeare_tokens, tm
             assert resumed["losses"] == pytest.approx(ref["losses"][3:], abs=1e-6)
             for name, value in ref["params"].items():
                 torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_three_groups_two_failures_each_rejoins(shakespeare_tokens, tmp_path):
+    """Check 3: 3 groups; group 1 is SIGKILLed after a random step in 2-4 and group 2 after one in 6-8; each is
+    restarted once the others' quorum has dropped it and heals from a live group. All three end at max_steps with
+    every rank's parameters and optimizer state bitwise equal."""
+    rng = random.Random()
+    die = {1: rng.randint(2, 4), 2: rng.randint(6, 8)}
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    logs.mkdir()
+    steps = 16
+    common = ["--data", str(shakespeare_tokens), "--out", str(out), "--steps", str(steps), "--sleep", "0.3"]
+    common += ["--groups", "3"]
+    with lighthouse(min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1000) as address:
+        env = {"TORCHFT_LIGHTHOUSE": address}
+        live = {
+            g: Group(
+                f"g{g}", 2, [*common, "--group", str(g), *(["--die-at", str(die[g])] if g in die else [])], env, logs
+            )
+            for g in range(3)
+        }
+        for g in (1, 2):
+            assert live[g].wait(180) == [-9, -9], f"die={die}\n{live[g].log()[-4000:]}"
+            _wait_for(rf"Replica group 0: quorum \d+ at step \d+: groups \[[\d, ]*\] of 3; left: \[{g}\]", live[0], 60)
+            live[g] = Group(f"g{g}b", 2, [*common, "--group", str(g)], env, logs)
+            _wait_for(rf"Replica group {g}: quorum .* this group healed from a live group", live[g], 60)
+        codes = {g: live[g].wait(180) for g in range(3)}
+    assert codes == {0: [0, 0], 1: [0, 0], 2: [0, 0]}, f"die={die}\n" + "\n".join(live[g].log()[-2000:] for g in live)
+    for rank in range(2):
+        states = [_load(out, g, rank) for g in range(3)]
+        assert all(s["global_step"] == steps for s in states)
+        for name in states[0]["params"]:
+            for other in states[1:]:
+                assert torch.equal(states[0]["params"][name], other["params"][name]), (die, name)
+                for key in states[0]["optim"][name]:
+                    assert torch.equal(states[0]["optim"][name][key], other["optim"][name][key]), (die, name, key)
