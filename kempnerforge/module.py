@@ -344,6 +344,9 @@ class CausalLM(LightningModule):
         factor = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step, accumulate, self._dp_group())
         # The whole (unsplit) batch on every dp rank: each token counted once, cp ranks of it not again.
         tokens = batch["input_ids"].numel() * self._data_shards()
+        groups = getattr(self.trainer.strategy, "replica_groups", None)
+        if groups is not None:  # fault tolerance: every group that took part (its quorum was awaited above)
+            tokens *= groups.participants
         self.tokens_seen += tokens
         self._log_host_scalars()
         return objective * factor
