@@ -167,6 +167,7 @@ class CausalLM(LightningModule):
         self.val_loss = MeanMetric()
         self.val_ppl = ExpMeanMetric()  # exp(val/loss) from the same updates: no second softmax
         self.tokens_seen = 0
+        self.last_step_tokens = 0  # the last micro-batch's share of tokens_seen
         # Normalization by the global target-token count of the whole optimizer step (dp ranks x
         # accumulated micro-batches); see StepTokenNormalizer.
         self._step_tokens = StepTokenNormalizer()
@@ -348,6 +349,7 @@ class CausalLM(LightningModule):
         if groups is not None:  # fault tolerance: every group that took part (its quorum was awaited above)
             tokens *= groups.participants
         self.tokens_seen += tokens
+        self.last_step_tokens = tokens  # taken back by fault tolerance when the step does not commit
         self._log_host_scalars()
         return objective * factor
 

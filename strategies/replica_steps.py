@@ -13,12 +13,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
 from kempnerforge.resilience.auto_resume import AutoResume
 from kempnerforge.resilience.ft_config import FaultTolerance
 from kempnerforge.resilience.heal_state import (
     load_loop_position,
     load_model_shards,
     load_optimizer_shards,
+    load_step_mid_step,
     loop_position,
     model_shards,
     optimizer_shards,
@@ -74,9 +77,18 @@ def attach(strategy: Any, trainer: Any) -> None:
             load_optimizer_shards(optimizer, sd)
         for config, sd in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(sd)
-        load_loop_position(trainer, state["loop"], mbs or _loader_batch_size(trainer))
-        module.tokens_seen = state["tokens_seen"]
         strategy._refresh_float8_scales()
+        if groups.starting:
+            load_loop_position(trainer, state["loop"], mbs or _loader_batch_size(trainer))
+            module.tokens_seen = state["tokens_seen"]
+            return
+        # Mid-step (torchft applies the heal at should_commit): the sender's state is from this step's start.
+        load_step_mid_step(trainer, state["loop"])
+        module.tokens_seen = state["tokens_seen"] + module.last_step_tokens
+        rank_zero_info(
+            f"Replica group {groups.group_id}: behind the quorum's step {state['loop']['global_step']}; healed from a "
+            "live group during the step."
+        )
 
     groups.register_state("kempnerforge", load, save)
     sub = group_dir(strategy.fault_tolerance)
@@ -116,7 +128,8 @@ def first_quorum(strategy: Any) -> None:
 def commit(strategy: Any) -> bool:
     """After the backward: torchft's vote. A step that does not commit leaves the weights, the optimizer, the LR
     schedule (the module skips ``lr_scheduler_step``) and Lightning's step counter as they were: the counter counts
-    committed steps, so every group stops at ``max_steps`` together. Returns whether the step commits."""
+    committed steps, so every group stops at ``max_steps`` together; ``tokens_seen`` drops the step's tokens. Returns
+    whether the step commits."""
     trainer = strategy.lightning_module.trainer
     strategy.replica_groups.sum_unhooked_gradients()
     if strategy.replica_groups.should_commit(trainer.global_step):
@@ -127,4 +140,6 @@ def commit(strategy: Any) -> bool:
     for tracker in (step.total, step.current):
         tracker.ready -= 1
         tracker.completed -= 1
+    module = strategy.lightning_module
+    module.tokens_seen -= module.last_step_tokens  # not trained
     return False

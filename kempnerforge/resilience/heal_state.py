@@ -128,6 +128,17 @@ def load_loop_position(trainer: Any, pos: dict[str, int], micro_batch_size: int)
     loader.sampler.load_state_dict({"yielded": pos["batches_epoch"] * micro_batch_size, "epoch": pos["sampler_epoch"]})
 
 
+def load_step_mid_step(trainer: Any, pos: dict[str, int]) -> None:
+    """A heal applied at ``should_commit`` (a live group whose last vote failed while the others committed): only the
+    optimizer-step counter moves to the sender's (the data and batch counters are already the others': the group ran
+    every step with them). Set as Lightning's loop expects inside the optimizer-step hook (this step counted ready,
+    not yet completed)."""
+    step = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    for tracker in (step.total, step.current):
+        tracker.completed = pos["global_step"]
+        tracker.ready = pos["global_step"] + 1
+
+
 def train_loader(trainer: Any) -> Any:
     """The fit loop's one training loader.
 

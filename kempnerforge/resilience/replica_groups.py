@@ -71,6 +71,8 @@ class ReplicaGroups:
             replica_id=f"replica_group_{config.replica_group_id}",
             init_sync=False,
         )
+        #: True while a heal before the first step is applied (else a heal is applied mid-step, at should_commit).
+        self.starting = False
         self.committed: bool = True  # the last step's vote (the LR schedule and the step counter follow it)
         self._members: tuple[int, ...] | None = None  # groups in the last quorum this group logged
         self._quorum_id: int | None = None
@@ -111,7 +113,11 @@ class ReplicaGroups:
         if healed:
             # torchft applies a pending heal at should_commit (async quorum) or right away (sync quorum); this is the
             # sync path's own sequence, run once, so the first batch already sees the healed state.
-            self.manager._apply_pending_state_dict()
+            self.starting = True
+            try:
+                self.manager._apply_pending_state_dict()
+            finally:
+                self.starting = False
             self.manager._healing = False
             self.heal_seconds = time.monotonic() - started
         self._first_quorum_done = True

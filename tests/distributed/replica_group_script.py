@@ -2,7 +2,7 @@
 
 Every rank writes ``<out>/g<group>_r<rank>.pt``: the per-step global losses and step counters, and at the end its
 local parameter and optimizer shards (bitwise comparisons across groups). ``--die-at N`` SIGKILLs every rank of the
-group after step N (``kill -9`` of the job step); ``--sleep`` paces the steps so a restarted group can catch up.
+group in the middle of step N + 1, before its backward (``kill -9`` of the job step); ``--sleep`` paces the steps so a restarted group can catch up.
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ class Record(Callback):
         self.steps: list[int] = []
         self.sleep, self.die_at = sleep, die_at
 
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # Mid-step (the quorum formed, the token count summed, no gradient summed yet): the others' step fails.
+        if self.die_at is not None and trainer.global_step >= self.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.steps.append(trainer.global_step)
         loss = trainer.callback_metrics.get("train/loss")
         self.losses.append(float(loss) if loss is not None else float("nan"))
-        if self.die_at is not None and trainer.global_step >= self.die_at:
-            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)
 
 
