@@ -241,7 +241,7 @@ class KempnerStrategy(ModelParallelStrategy):
         validate_degrees(**self._degrees)
         check_fault_tolerance(fault_tolerance, self._degrees)
         self.fault_tolerance = fault_tolerance
-        self.replica_groups: Any = None  # ReplicaGroups once the group's process group exists
+        self.replica_groups: Any = None  # ReplicaGroups from setup() of a fit on (its process group exists then)
         for name, flag in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} is not allowed; use True or False.")
@@ -349,8 +349,6 @@ class KempnerStrategy(ModelParallelStrategy):
             take_over_signals(trainer)  # before fit registers Lightning's handlers
         # The parent's setup_environment would build its own 2-D mesh; its process-group half is this private method.
         self._setup_distributed()
-        if self.fault_tolerance is not None and self.replica_groups is None:
-            self.replica_groups = replica_steps.connect(self)
         apply_matmul_precision(self.float32_matmul_precision, self.root_device.type)
         if self.cpu_keep_freed_memory and self.root_device.type == "cpu":
             keep_freed_memory()
@@ -479,7 +477,8 @@ class KempnerStrategy(ModelParallelStrategy):
             self.pipeline.build(self.root_device)
         super().setup(trainer)
         self._refresh_float8_scales()  # after Lightning's setup: scales set before it were found lost after it
-        if self.replica_groups is not None:
+        if self.fault_tolerance is not None and self.replica_groups is None and trainer.state.fn == "fit":
+            self.replica_groups = replica_steps.connect(self)  # validate / test need no quorum
             replica_steps.attach(self, trainer)
 
     def parallelize(self, model: nn.Module) -> None:

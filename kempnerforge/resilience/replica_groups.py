@@ -71,6 +71,7 @@ class ReplicaGroups:
             replica_id=f"replica_group_{config.replica_group_id}",
             init_sync=False,
         )
+        self._first_quorum_done = False  # heal_before_first_step's quorum serves the first step too
         #: True while a heal before the first step is applied (else a heal is applied mid-step, at should_commit).
         self.starting = False
         self.committed: bool = True  # the last step's vote (the LR schedule and the step counter follow it)
@@ -129,7 +130,7 @@ class ReplicaGroups:
     def start_step(self) -> None:
         """Ask for this step's quorum in the background (before the forward); the first step's came from
         :meth:`heal_before_first_step`."""
-        if getattr(self, "_first_quorum_done", False):
+        if self._first_quorum_done:
             self._first_quorum_done = False
             return
         self.manager.start_quorum()

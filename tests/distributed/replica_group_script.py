@@ -82,7 +82,7 @@ def main() -> None:
             replica_group_id=args.group,
             num_replica_groups=args.groups,
             min_replica_groups=args.min_groups,
-            timeout_s=30,
+            timeout_s=15,  # a collective waiting on a peer that stopped (not died) fails after this
             quorum_timeout_s=60,
         )
     record = Record(args.sleep, args.die_at)
