@@ -2,8 +2,9 @@
 (``dp_replicate=2 x dp_shard=2``, one world) and as 2 torchft replica groups of ``dp_shard=2`` (a lighthouse in this
 process), side by side in one run.
 
-Each rank times every optimizer step after ``--warmup`` (start to start) and counts, per step, the collectives of its
-own process groups (c10d ops through a ``TorchDispatchMode``, by op and group size) and the calls into torchft
+Each rank times every optimizer step after ``--warmup`` (start to start) and counts, per step, the host
+synchronizations the step would make on an accelerator (``tests/host_syncs.py``), the collectives of its own process
+groups (c10d ops through a ``TorchDispatchMode``, by op and group size) and the calls into torchft
 (``Manager.allreduce``: a collective across the groups; ``start_quorum``: a lighthouse round trip on a background
 thread; ``should_commit``: a blocking round trip to the group's manager server, which waits for every rank of the
 group). Reported: the median step time of rank 0 of each run (the fastest of ``--repeats`` alternated pairs), their ratio,
@@ -83,6 +84,8 @@ def run(args: argparse.Namespace) -> dict:
         "ft_step_s": min(ft_s),
         "hsdp_per_step": hsdp["per_step"],
         "ft_per_step": ft["per_step"],
+        "hsdp_host_syncs_per_step": hsdp["host_syncs"],
+        "ft_host_syncs_per_step": ft["host_syncs"],
         "losses_equal": hsdp["losses"] == ft["losses"],
         "load_average_1min": os.getloadavg()[0],
     }
@@ -102,11 +105,13 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    sys.path.insert(0, str(REPO))  # tests/host_syncs.py: the project's host-synchronization counter
     from kempnerforge.config import ModelConfig
     from kempnerforge.module import CausalLM
     from kempnerforge.resilience.ft_config import FaultTolerance
     from kempnerforge.strategies import KempnerStrategy
     from kempnerforge.training.optimizers import OptimizerConfig
+    from tests.host_syncs import HostSyncCounter
 
     counts: collections.Counter = collections.Counter()
 
@@ -173,7 +178,7 @@ def worker(args: argparse.Namespace) -> None:
     ft = None
     if args.group is not None:
         ft = FaultTolerance(replica_group_id=args.group, num_replica_groups=2, timeout_s=120, quorum_timeout_s=120)
-    steps = Steps()
+    steps, syncs = Steps(), HostSyncCounter()
     trainer = Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -184,14 +189,16 @@ def worker(args: argparse.Namespace) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[steps, CountTorchft()],
+        callbacks=[steps, CountTorchft(), syncs.callback(warmup=args.warmup)],
     )
-    with Collectives():
+    with Collectives(), syncs:
         trainer.fit(module, datamodule=Random())
+    last = syncs.per_iteration(args.warmup, args.steps - 2)  # the last step's own syncs are not all counted
+    host_syncs = [f"{e.op}@{os.path.relpath(e.where.split(':')[0], REPO)}" for e in last[max(last)]] if last else []
     step_s = [b - a for a, b in zip(steps.starts[args.warmup :], steps.starts[args.warmup + 1 :], strict=False)]
     rank = int(os.environ["RANK"])
     Path(f"{args.out}-rank{rank}.json").write_text(
-        json.dumps({"step_s": step_s, "losses": steps.losses, "per_step": steps.per_step[-1]})
+        json.dumps({"step_s": step_s, "losses": steps.losses, "per_step": steps.per_step[-1], "host_syncs": host_syncs})
     )
 
 
