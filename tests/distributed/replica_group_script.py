@@ -36,6 +36,7 @@ class Record(Callback):
 
     def __init__(self, sleep: float, die_at: int | None) -> None:
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []  # before clipping: a wrong gradient scale shows here (Adam hides it)
         self.steps: list[int] = []
         self.sleep, self.die_at = sleep, die_at
 
@@ -48,6 +49,8 @@ class Record(Callback):
         self.steps.append(trainer.global_step)
         loss = trainer.callback_metrics.get("train/loss")
         self.losses.append(float(loss) if loss is not None else float("nan"))
+        norm = trainer.callback_metrics.get("train/grad_norm")
+        self.grad_norms.append(float(norm) if norm is not None else float("nan"))
         time.sleep(self.sleep)
 
 
@@ -114,6 +117,7 @@ def main() -> None:
     optimizer = trainer.optimizers[0]
     state = {
         "losses": record.losses,
+        "grad_norms": record.grad_norms,
         "steps": record.steps,
         "global_step": trainer.global_step,
         "params": {n: _local(q) for n, q in module.model.named_parameters()},

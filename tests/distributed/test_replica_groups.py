@@ -74,6 +74,8 @@ def test_two_groups_equal_plain_hsdp(uninterrupted, shakespeare_tokens, tmp_path
         assert ft["steps"] == hsdp["steps"] == list(range(1, STEPS + 1))
         assert ft["losses"] == pytest.approx(hsdp["losses"], abs=1e-6)
         assert hsdp["losses"][-1] < hsdp["losses"][0] - 0.5  # it trained
+        if rank == 0:  # the norm before clipping: Adam and clipping would hide a wrong gradient scale, the norm not
+            assert ft["grad_norms"] == pytest.approx(hsdp["grad_norms"], rel=1e-6)
         for name, value in hsdp["params"].items():
             torch.testing.assert_close(ft["params"][name], value, rtol=0, atol=1e-6, msg=name)
 
@@ -194,3 +196,34 @@ def test_three_groups_two_failures_each_rejoins(shakespeare_tokens, tmp_path):
                 assert torch.equal(states[0]["params"][name], other["params"][name]), (die, name)
                 for key in states[0]["optim"][name]:
                     assert torch.equal(states[0]["optim"][name][key], other["optim"][name][key]), (die, name, key)
+
+
+def test_one_rank_groups_equal_plain_fsdp(shakespeare_tokens, tmp_path):
+    """Groups of one rank hold no FSDP2 unit (fp32 on one rank: nothing to shard), so their gradients are summed
+    across the groups after the backward instead of by the units' hooks: 2 such groups train as one FSDP2 world of 2
+    (the same sums in another order: losses within 1e-6, gradient norms and parameters as bounded below)."""
+    plain, ft = tmp_path / "plain", tmp_path / "ft"
+    plain.mkdir()
+    ft.mkdir()
+    base = ["--data", str(shakespeare_tokens), "--steps", "4"]
+    proc = run_ranks(2, SCRIPT, [*base, "--out", str(plain)], {**os.environ, "OMP_NUM_THREADS": "1"}, 240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with lighthouse(min_replicas=2) as address:
+        env = {"TORCHFT_LIGHTHOUSE": address}
+        groups = [Group(f"g{g}", 1, [*base, "--out", str(ft), "--group", str(g)], env, logs) for g in range(2)]
+        codes = [g.wait(180) for g in groups]
+    assert codes == [[0], [0]], "\n".join(g.log()[-3000:] for g in groups)
+    full = {n: torch.cat([_load(plain, 0, r)["params"][n] for r in range(2)]) for n in _load(plain, 0, 0)["params"]}
+    ref = _load(plain, 0, 0)
+    for group in range(2):
+        one = _load(ft, group, 0)
+        assert one["losses"] == pytest.approx(ref["losses"], abs=1e-6)
+        # The norm before clipping (Adam and clipping would hide a wrong gradient scale): 3.3M fp32 squares summed in
+        # another split, pairwise (log2(n) * 2^-24 ~ 1.3e-6 relative), hence 1e-5.
+        assert one["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        for name, value in one["params"].items():
+            # Adam moves an element whose gradient is near its eps by up to lr (3e-3) per step with that gradient's
+            # last bits (one output-layer element here, 1.6e-6 after 4 steps): 1e-5, 300x below lr.
+            torch.testing.assert_close(value, full[name], rtol=0, atol=1e-5, msg=name)
