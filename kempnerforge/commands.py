@@ -45,6 +45,10 @@ TOOLS: dict[str, tuple[str, str]] = {
         "verify a checkpoint (or a folder of them) against the checksums recorded when it was written (exit 2 if BAD)",
         "kempnerforge.tools.check_ckpt:check_ckpt_main",
     ),
+    "lighthouse": (
+        "run torchft's lighthouse for replica-group fault tolerance (prints its http://host:port; the ft extra)",
+        "kempnerforge.tools.lighthouse:lighthouse_main",
+    ),
     "check-env": (
         "check CUDA, NCCL, the SLURM job, the checkpoint folder and logger credentials (exit 2 if MISSING)",
         "kempnerforge.tools.check_env:check_env_main",

@@ -167,6 +167,7 @@ class CausalLM(LightningModule):
         self.val_loss = MeanMetric()
         self.val_ppl = ExpMeanMetric()  # exp(val/loss) from the same updates: no second softmax
         self.tokens_seen = 0
+        self.last_step_tokens = 0  # the last micro-batch's share of tokens_seen
         # Normalization by the global target-token count of the whole optimizer step (dp ranks x
         # accumulated micro-batches); see StepTokenNormalizer.
         self._step_tokens = StepTokenNormalizer()
@@ -344,7 +345,11 @@ class CausalLM(LightningModule):
         factor = self._step_tokens.add(loss_sum, n_targets, self._dp_size(), new_step, accumulate, self._dp_group())
         # The whole (unsplit) batch on every dp rank: each token counted once, cp ranks of it not again.
         tokens = batch["input_ids"].numel() * self._data_shards()
+        groups = getattr(self.trainer.strategy, "replica_groups", None)
+        if groups is not None:  # fault tolerance: every group that took part (its quorum was awaited above)
+            tokens *= groups.participants
         self.tokens_seen += tokens
+        self.last_step_tokens = tokens  # taken back by fault tolerance when the step does not commit
         self._log_host_scalars()
         return objective * factor
 
@@ -497,12 +502,28 @@ class CausalLM(LightningModule):
         # Not prog_bar: Lightning converts prog_bar metrics to numbers after every batch (a host sync);
         # kempnerforge.callbacks.ProgressBar shows train/loss at the logging interval instead.
         self.log("train/loss", global_loss, rank_zero_only=True)
+        groups = getattr(self.trainer.strategy, "replica_groups", None)
+        if groups is not None:  # fault tolerance: the groups whose gradients this step summed (known on the host)
+            self.log(
+                "train/replica_groups",
+                torch.tensor(float(groups.participants), dtype=torch.float64),
+                rank_zero_only=True,
+            )
         pp_group = getattr(self.trainer.strategy, "pp_group", None)  # pipeline stages: norm over all of them
         # A tied embedding's copy on the last pipeline stage: clipped, but counted once (on the first stage).
         skip = getattr(self.trainer.strategy, "grad_norm_skip", ())
         norm = clip_grad_norm_(self.model.parameters(), self.grad_clip, pp_group=pp_group, norm_skip=skip)
         self.log("train/grad_norm", norm, rank_zero_only=True)
         self._moe_step()
+
+    @override
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Lightning's scheduler step, skipped after an optimizer step that fault tolerance did not commit
+        (:mod:`kempnerforge.strategies.replica_steps`): the schedule follows the committed steps."""
+        groups = getattr(self.trainer.strategy, "replica_groups", None) if _has_trainer(self) else None
+        if groups is not None and not groups.committed:
+            return
+        super().lr_scheduler_step(scheduler, metric)
 
     def _moe_step(self) -> None:
         """MoE only: the once-per-optimizer-step router bias update (DeepSeek-V3 aux-loss-free

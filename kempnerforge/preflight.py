@@ -34,6 +34,7 @@ from typing import Any
 from kempnerforge.checkpoint.disk import ensure_writable, existing_parent, format_bytes, free_bytes
 from kempnerforge.data.input_checks import check_source, check_tokenizer, check_writable
 from kempnerforge.errors import PathError, UserError
+from kempnerforge.resilience.ft_config import check_accumulation_ft
 from kempnerforge.resilience.rendezvous import WorldSpec, expected_world
 
 #: fp32 optimizer-state tensors per trained parameter (AdamW: exp_avg + exp_avg_sq; Lion: momentum; Muon: AdamW's
@@ -359,6 +360,7 @@ def preflight(
     if callable(check_run):  # the data against the trainer and the data-parallel degree (a streaming module)
         check_run(trainer, dp, world.rank)
     check_loss_impl(trainer, module)
+    check_accumulation_ft(getattr(strategy, "fault_tolerance", None), trainer.accumulate_grad_batches)
     if subcommand == "fit" and world.rank == 0:
         for folder in checkpoint_folders(trainer):
             check_checkpoint_folder(folder, lambda: checkpoint_bytes(module))

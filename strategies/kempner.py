@@ -74,7 +74,14 @@ from kempnerforge.parallel.precision import (
 from kempnerforge.parallel.tensor_parallel import apply_tp, validate_sequence_parallel
 from kempnerforge.resilience.auto_resume import AutoResume
 from kempnerforge.resilience.first_failure import note_first_failure
+from kempnerforge.resilience.ft_config import (
+    FaultTolerance,
+    check_accumulation_ft,
+    check_fault_tolerance,
+    check_fault_tolerance_run,
+)
 from kempnerforge.resilience.rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, expected_world, rendezvous
+from kempnerforge.strategies import replica_steps
 from kempnerforge.strategies.cpu_malloc import keep_freed_memory
 from kempnerforge.strategies.stop_on_signal import take_over_signals
 
@@ -164,6 +171,10 @@ class KempnerStrategy(ModelParallelStrategy):
         rendezvous_timeout_s: seconds the ranks wait for each other at the start (> 0); then the run fails
             with the joined and expected counts and the setting the count comes from
             (:func:`~kempnerforge.resilience.rendezvous.rendezvous`). ``timeout`` covers the collectives after.
+        fault_tolerance: replica groups managed by torchft (the ``ft`` extra;
+            :class:`~kempnerforge.resilience.ft_config.FaultTolerance`): this job is one group of several, each its
+            own world with ``dp_replicate=1``; gradients are summed over the groups alive at each step, a step commits
+            only when they agree, and a (re)joining group heals from a live one (:mod:`.replica_steps`). None: off.
 
     Raises:
         MeshConfigError: ``sequence_parallel=True`` with ``tp=1`` (at construction); in
@@ -209,6 +220,7 @@ class KempnerStrategy(ModelParallelStrategy):
         pp_virtual_stages: int = 1,
         pp_split_points: list[int] | None = None,
         rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         super().__init__(
             data_parallel_size=1,
@@ -227,6 +239,9 @@ class KempnerStrategy(ModelParallelStrategy):
         }
         # Validate what needs no world size now, so a bad config fails before any process starts.
         validate_degrees(**self._degrees)
+        check_fault_tolerance(fault_tolerance, self._degrees)
+        self.fault_tolerance = fault_tolerance
+        self.replica_groups: Any = None  # ReplicaGroups from setup() of a fit on (its process group exists then)
         for name, flag in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} is not allowed; use True or False.")
@@ -330,6 +345,7 @@ class KempnerStrategy(ModelParallelStrategy):
         trainer = module._trainer if module is not None else None
         if trainer is not None:
             check_lightning_clipping(trainer.gradient_clip_val)  # before any rendezvous
+            check_accumulation_ft(self.fault_tolerance, trainer.accumulate_grad_batches)
             take_over_signals(trainer)  # before fit registers Lightning's handlers
         # The parent's setup_environment would build its own 2-D mesh; its process-group half is this private method.
         self._setup_distributed()
@@ -397,6 +413,7 @@ class KempnerStrategy(ModelParallelStrategy):
         )
         validate_pipeline_run(dims.pp, module, datamodule, **self.pp_options, ep=dims.ep, tp=dims.tp)
         validate_float8_collectives(self.float8_recipe, dims.tp, self.sequence_parallel, self._planned_backend())
+        check_fault_tolerance_run(self.fault_tolerance, module, datamodule)
         return dims
 
     def _planned_backend(self) -> str | None:
@@ -430,9 +447,15 @@ class KempnerStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Sampler rank and size from the data-parallel axes only (TP/CP ranks see the same batches)."""
+        """Sampler rank and size from the data-parallel axes only (TP/CP ranks see the same batches); with
+        fault tolerance the replica group is one more data-parallel coordinate (group ``g`` of ``G``, dp rank ``d`` of
+        ``D``: shard ``g * D + d`` of ``G * D``)."""
         assert self.parallel_mesh is not None
-        return {"num_replicas": self.parallel_mesh.dp.size(), "rank": self.parallel_mesh.dp_rank}
+        dp, rank = self.parallel_mesh.dp.size(), self.parallel_mesh.dp_rank
+        if self.fault_tolerance is not None:
+            ft = self.fault_tolerance
+            return {"num_replicas": ft.num_replica_groups * dp, "rank": ft.replica_group_id * dp + rank}
+        return {"num_replicas": dp, "rank": rank}
 
     # -- the transform chain and materialization -----------------------------------------------
 
@@ -454,6 +477,9 @@ class KempnerStrategy(ModelParallelStrategy):
             self.pipeline.build(self.root_device)
         super().setup(trainer)
         self._refresh_float8_scales()  # after Lightning's setup: scales set before it were found lost after it
+        if self.fault_tolerance is not None and self.replica_groups is None and trainer.state.fn == "fit":
+            self.replica_groups = replica_steps.connect(self)  # validate / test need no quorum
+            replica_steps.attach(self, trainer)
 
     def parallelize(self, model: nn.Module) -> None:
         """The chain in its fixed order: TP -> CP -> EP -> FP8 -> activation checkpointing -> compile -> FSDP2."""
@@ -584,6 +610,8 @@ class KempnerStrategy(ModelParallelStrategy):
                 file); with ``auto``, when every complete checkpoint is.
             CheckpointError: the path is not a complete checkpoint, or it was written by another model.
         """
+        if self.fault_tolerance is not None:
+            checkpoint_path = replica_steps.group_auto_resume(checkpoint_path, self.fault_tolerance)
         while True:
             chosen = self._agreed_checkpoint_path(checkpoint_path)
             if chosen is None:
@@ -738,6 +766,9 @@ class KempnerStrategy(ModelParallelStrategy):
         collective runs (the other ranks may be stuck in one, or gone): the error reaches the user at once."""
         failure, self._failure = self._failure, None
         self._prestaged = False
+        if self.replica_groups is not None:
+            self.replica_groups.shutdown()
+            self.replica_groups = None
         if failure is None:
             self.checkpoint_io.teardown()
         else:
@@ -776,6 +807,15 @@ class KempnerStrategy(ModelParallelStrategy):
                 pipeline.finish_step_gradients(module.model)
                 return out
 
+        if self.replica_groups is not None:
+            # The forward and backward first (the gradient shards are summed across groups in it), then the vote.
+            result = closure()
+            if not replica_steps.commit(self):
+                return result
+
+            def closure() -> Any:
+                return result
+
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._refresh_float8_scales()
         self._prestage_async_checkpoint()
@@ -798,6 +838,21 @@ class KempnerStrategy(ModelParallelStrategy):
         for i, optimizer in enumerate(optimizers):
             sharded[f"optimizer_{i}"] = self.optimizer_state(optimizer)
         self.checkpoint_io.prestage(sharded)
+
+    @override
+    def on_train_start(self) -> None:
+        """With fault tolerance: the first quorum, and a heal from a live group when this one is behind
+        (:func:`.replica_steps.first_quorum`), before the training loader starts."""
+        super().on_train_start()
+        if self.replica_groups is not None:
+            replica_steps.first_quorum(self)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """With fault tolerance: ask for this step's quorum (it forms while the forward runs)."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self.replica_groups is not None:
+            self.replica_groups.start_step()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -83,6 +83,9 @@ def open_rank(fit_args: list[str], num_nodes: int, devices: int, rank: int) -> R
     strategy.cluster_environment = SimulatedEnvironment(num_nodes, devices, rank)
     strategy.cpu_keep_freed_memory = False  # a CPU-run knob; the simulated ranks are GPUs
     strategy.target_device_type = "cuda"  # device-dependent settings as the GPUs resolve them (auto precision)
+    # With fault tolerance the simulated world is one replica group: its ranks hold what a run of that mesh holds, and
+    # nothing connects to a lighthouse (the groups' all-reduce of gradient shards is not simulated).
+    strategy.fault_tolerance = None
     check_simulable(module)
     strategy._lightning_module = module
     module.trainer = trainer

@@ -8,7 +8,7 @@ losses is divided by the global token count, as in torchtitan and Megatron-LM.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -153,6 +153,9 @@ class StepTokenNormalizer:
     def __init__(self) -> None:
         self._stats: torch.Tensor | None = None  # (2,) fp64: loss sum, target count (global once reduced)
         self._reduced = False
+        #: Sums the (2,) stats in place over a second level after the group's all-reduce: the replica groups of
+        #: fault tolerance (``ReplicaGroups.sum_across_groups``), whose gradients are then summed, not averaged.
+        self.outer_reduce: Callable[[torch.Tensor], None] | None = None
 
     def add(
         self,
@@ -193,6 +196,8 @@ class StepTokenNormalizer:
     def _reduce(self, group: dist.ProcessGroup | None) -> None:
         if group is not None:
             dist.all_reduce(self._stats, group=group)
+        if self.outer_reduce is not None:
+            self.outer_reduce(self._stats)
         self._reduced = True
 
     @property

@@ -31,6 +31,7 @@ SCRIPTS = {
     "startup": "benchmarks/startup.py",
     "data_io": "benchmarks/data_io.py",
     "checkpoint_io": "benchmarks/checkpoint_io.py",
+    "replica_groups": "benchmarks/replica_groups.py",
 }
 #: Every file of benchmarks/ and the test that runs it at a tiny shape (issue 29: none may break unnoticed).
 RUN_BY = {
@@ -187,3 +188,26 @@ def test_checkpoint_io_figures_at_a_tiny_decoder_on_two_processes(tmp_path):
     assert _positive(row["async_stall_median_s"]) and _positive(row["async_stall_of_step"])
     assert len(row["ranks"]) == 2 and all(len(r["rounds"]) == 1 for r in row["ranks"])
     assert not list(tmp_path.glob("ckpt_io_*"))  # its files are removed
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torchft") is None, reason="torchft not installed")
+def test_replica_groups_cost_counts_the_extra_collectives(tmp_path):
+    """Issue 31 check 5 at a tiny shape: both runs train to the same losses, and per step fault tolerance makes one
+    cross-group all-reduce per FSDP2 unit (HSDP's replicate all-reduces) plus one for the step's token count (HSDP's
+    single world all-reduce becomes an in-group one and a cross-group one), one quorum request and one commit vote, and
+    no host synchronization."""
+    tiny = ["--dim", "32", "--layers", "1", "--seq-len", "16", "--batch", "2", "--steps", "4", "--warmup", "2"]
+    result = _run("replica_groups", *tiny, tmp=tmp_path)
+    assert result["losses_equal"] and _positive(result["ft_over_hsdp"])
+    hsdp, ft = result["hsdp_per_step"], result["ft_per_step"]
+    units = hsdp["_reduce_scatter_base_@2"]
+    assert hsdp["allreduce_@2"] == units and hsdp["allreduce_@4"] == 1
+    assert ft["torchft.allreduce"] == units + 1 and ft["torchft.start_quorum"] == ft["torchft.should_commit"] == 1
+    assert ft["_reduce_scatter_base_@2"] == units and ft["_allgather_base_@2"] == hsdp["_allgather_base_@2"]
+    # Host synchronizations of the training thread (tests/host_syncs.py): none added (the benchmark's own read of the
+    # loss is the one both count); torchft's vote is a blocking round trip, not a tensor read-back.
+    assert (
+        result["ft_host_syncs_per_step"]
+        == result["hsdp_host_syncs_per_step"]
+        == ["__float__@benchmarks/replica_groups.py"]
+    )

@@ -480,3 +480,16 @@ def test_pipeline_with_tied_embeddings_counts_the_embedding_gradient_all_reduce(
             embedding_grad, abs=1024
         )
         assert without.comm["all_reduce[pp]"] < 1024
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torchft") is None, reason="torchft not installed")
+def test_fault_tolerance_estimates_one_replica_group_unchanged():
+    """Issue 31: a config with ``fault_tolerance`` is estimated as the one group it describes (no lighthouse is
+    contacted): every rank's peak and the verdict equal the same config without it."""
+    ft = ["--trainer.strategy.init_args.fault_tolerance.replica_group_id=1",
+          "--trainer.strategy.init_args.fault_tolerance.num_replica_groups=4",
+          "--trainer.strategy.init_args.fault_tolerance.lighthouse=http://localhost:1"]  # fmt: skip
+    plain = estimate(["--config", DEBUG, *SHORT], 1, 2, alternatives=False)
+    with_ft = estimate(["--config", DEBUG, *SHORT, *ft], 1, 2, alternatives=False)
+    assert [r.peak_bytes for r in with_ft.roles] == [r.peak_bytes for r in plain.roles]
+    assert with_ft.verdict.fits == plain.verdict.fits

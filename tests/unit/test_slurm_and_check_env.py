@@ -179,3 +179,52 @@ def test_kforge_check_env_through_the_cli(tmp_path, monkeypatch):
         with pytest.raises(SystemExit) as exc:
             main(["check-env", "--accelerator", "cpu", *argv])
         assert exc.value.code == code
+
+
+FAKE_STEP_SRUN = """#!/bin/bash
+# Fake srun that runs the step's command (after srun's own --options) on a fake two-node step.
+while [ "${1#--}" != "$1" ]; do shift; done
+SLURM_STEP_NODELIST=fake[1-2] exec "$@"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+[ "$1 $2" = "show hostnames" ] && printf 'node-%s\\n' a b
+"""
+FAKE_KFORGE = """#!/bin/bash
+# kforge lighthouse: serve until TERM. kforge fit: record the group's rendezvous and arguments; group 1 fails once.
+if [ "$1" = lighthouse ]; then
+  echo "lighthouse $*" >> "$FAKE_LOG/calls"
+  sleep 30 > /dev/null 2>&1 &
+  trap 'kill $!; exit 0' TERM
+  wait $!
+  exit 0
+fi
+echo "$MASTER_ADDR:$MASTER_PORT $TORCHFT_LIGHTHOUSE $*" >> "$FAKE_LOG/calls"
+case "$*" in *replica_group_id=1*) [ -e "$FAKE_LOG/failed" ] || { touch "$FAKE_LOG/failed"; exit 1; } ;; esac
+"""
+
+
+def test_replica_groups_sbatch_runs_one_step_per_group_and_restarts_a_failed_one(fake_slurm, tmp_path):
+    """scripts/slurm/fit_replica_groups.sbatch: the lighthouse on the first node, one step per group with its own
+    rendezvous port and host, the group ids, and a failed group started again (it heals in the real run)."""
+    env, log = fake_slurm
+    bin_dir = Path(env["PATH"].split(":")[0])
+    for name, text in (("srun", FAKE_STEP_SRUN), ("scontrol", FAKE_SCONTROL), ("kforge", FAKE_KFORGE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**env, "SLURM_JOB_NODELIST": "node-[a-c]", "KFORGE_GROUPS": "2", "KFORGE_LIGHTHOUSE_PORT": "29510"}
+    script = REPO / "scripts" / "slurm" / "fit_replica_groups.sbatch"
+    proc = subprocess.run(["sbatch", str(script), "configs/debug.yaml", "--trainer.max_steps=5"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "replica group 1 exited 1; restart 1 of 3" in proc.stdout
+    calls = (log / "calls").read_text().splitlines()
+    assert "lighthouse lighthouse --min_replicas 1 --port 29510" in calls
+    fits = sorted(c for c in calls if not c.startswith("lighthouse"))
+    assert len(fits) == 3  # group 0 once, group 1 twice
+    for group, port in ((0, 29600), (1, 29601)):
+        mine = [c for c in fits if f"replica_group_id={group}" in c]
+        assert mine and all(
+            c.startswith(f"node-a:{port} http://node-a:29510 fit --config configs/debug.yaml") for c in mine
+        )
+        assert all("num_replica_groups=2" in c and c.endswith("--trainer.max_steps=5") for c in mine)
+    assert len([c for c in fits if "replica_group_id=1" in c]) == 2
