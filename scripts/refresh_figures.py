@@ -225,7 +225,10 @@ QUOTES: list[Quote] = [
         "`kforge estimate` with only the folder's `config.json`: fits, peak {finetune_llama.peak:.1f} GB per rank",
     ),  # fmt: skip
     # the quick start
-    Quote("README.md", "validation loss {quickstart.val_loss:.2f} at step 100, where a uniform guess scores ln 50257 = 10.8)"),
+    Quote(
+        "README.md",
+        "validation loss {quickstart.val_loss:.2f} at step 100, where a uniform guess scores ln 50257 = 10.8)",
+    ),
     Quote("docs/index.md", "its validation loss at step 100 is {quickstart.val_loss:.2f}"),
     Quote("configs/debug.yaml", "val loss {quickstart.val_loss:.2f} at step 100, chance 10.8)"),
     Quote("README.md", "Train a {debug_cfg.params_m:.0f}M-parameter Llama-style model"),

@@ -92,7 +92,9 @@ def test_pretraining_then_fine_tuning_tutorials_run_as_written(workdir):
                                             "generate"]  # fmt: skip
     first, resumed = _output(pre, "fit")
     assert "Checkpoint saved:" in first and "step=000010.ckpt" in first
-    assert re.search(r"Auto-resume: resuming from \S*checkpoints/shakespeare/step=000010\.ckpt", resumed), resumed[-3000:]
+    assert re.search(r"Auto-resume: resuming from \S*checkpoints/shakespeare/step=000010\.ckpt", resumed), resumed[
+        -3000:
+    ]
     assert (workdir / "checkpoints" / "shakespeare" / "latest").read_text().strip() == "step=000020.ckpt"
     # the quick start (run first by most readers) leaves its checkpoints in the recipe's folder: the tutorial's runs
     # must not resume from them (a different global batch and LR schedule: refused)

@@ -66,7 +66,9 @@ def test_dcp_to_hf_logits_match(kind, trained, exported):
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
 
 
-def test_export_carries_the_tokenizers_ids_is_readable_by_the_group_and_has_no_foreign_card(exported, gpt2_tokenizer_dir):
+def test_export_carries_the_tokenizers_ids_is_readable_by_the_group_and_has_no_foreign_card(
+    exported, gpt2_tokenizer_dir
+):
     """A model trained on GPT-2's tokenizer ends text at its ``<|endoftext|>`` (50256), not at Llama's defaults 1 / 2
     (``"`` and ``#`` there); the folder gets the umask's permissions (safetensors writes 0600); the tokenizer's README
     is not copied as the model card."""
