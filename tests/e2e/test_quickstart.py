@@ -51,8 +51,8 @@ def test_debug_recipe_reaches_val_loss_below_6(tmp_path):
 
 
 def _quoted_loss_is_this_runs(val_loss: float) -> None:
-    """Issue 29: the validation loss the README, the docs home page and the recipe's header quote (scripts/refresh_figures.py writes it)
-    is within 2% of this run's, the README's own command."""
+    """Issue 29: the validation loss the README, the docs home page and the recipe's header quote
+    (scripts/refresh_figures.py writes it) is within 2% of this run's, the README's own command."""
     from tests.figures import refresh_figures
 
     figures = refresh_figures()
