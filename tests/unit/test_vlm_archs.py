@@ -247,6 +247,12 @@ def test_vlm_with_mla_moe_passes_tp_and_ep_validation(arch):
     module.validate_parallel(ParallelDims(tp=2, world_size=2))
     module.validate_parallel(ParallelDims(dp_shard=2, ep=2, world_size=2))
     module.validate_parallel(ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4))
+    # the same validation still refuses what the backbone cannot split (so the accepted cases above are decided,
+    # not skipped): 4 experts over ep=8, 4 heads over tp=3
+    with pytest.raises(ValueError, match=r"num_experts=4 must be divisible by ep=8"):
+        module.validate_parallel(ParallelDims(dp_shard=8, ep=8, world_size=8))
+    with pytest.raises(ValueError, match=r"tp=3 must divide n_heads=4"):
+        module.validate_parallel(ParallelDims(tp=3, world_size=3))
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
