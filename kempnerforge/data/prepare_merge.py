@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kempnerforge.data.prepare_run import PLAN_FILE, RECORDS_DIR, done_record
-from kempnerforge.data.shard_files import METADATA_FILE, atomic_write, is_prepare_artifact
+from kempnerforge.data.shard_files import METADATA_FILE, atomic_write, is_prepare_artifact, make_writable_dir
 from kempnerforge.errors import PathError
 
 #: Bumped when the shard layout changes, so a folder prepared by an older layout is never resumed.
@@ -69,13 +69,7 @@ def open_output(out: Path, plan: dict[str, Any], overwrite: bool, removes: bool 
         FileExistsError: ``out`` cannot be created or written, is not empty (and not this plan's) without
             ``overwrite``, or holds another preparation while ``removes`` is False.
     """
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        writable = os.access(out, os.W_OK | os.X_OK)
-    except OSError as err:  # a read-only parent, a file in the way: one line naming the option
-        raise FileExistsError(f"output_dir {str(out)!r} cannot be created ({err.strerror})") from err
-    if not writable:
-        raise FileExistsError(f"output_dir {str(out)!r} is not writable; give a folder you can write")
+    make_writable_dir(out)
     current = read_plan(out)
     if current is None or current["plan"] != plan["plan"]:
         entries = sorted(p.name for p in out.iterdir())

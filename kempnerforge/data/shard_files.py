@@ -42,11 +42,12 @@ def atomic_write(path: Path, write: Callable[[Any], None], unique: bool = False)
     os.replace(tmp, path)
 
 
-def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Creates ``output_dir``; refuses a non-empty one unless ``overwrite``.
+def make_writable_dir(output_dir: Path) -> None:
+    """Create ``output_dir`` (and its parents) and check that this process can write into it.
 
-    With ``overwrite`` only our own files go (metadata.json first, so the folder stops looking
-    complete before any shard disappears); anything else in the folder is left alone.
+    Raises:
+        FileExistsError: it cannot be created (a read-only parent, a file in the way) or is not writable; the message
+            names ``output_dir`` (the option) in one line.
     """
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -55,6 +56,15 @@ def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
         raise FileExistsError(f"output_dir {str(output_dir)!r} cannot be created ({err.strerror})") from err
     if not writable:
         raise FileExistsError(f"output_dir {str(output_dir)!r} is not writable; give a folder you can write")
+
+
+def prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """Creates ``output_dir``; refuses a non-empty one unless ``overwrite``.
+
+    With ``overwrite`` only our own files go (metadata.json first, so the folder stops looking
+    complete before any shard disappears); anything else in the folder is left alone.
+    """
+    make_writable_dir(output_dir)
     entries = sorted(p.name for p in output_dir.iterdir())
     if entries and not overwrite:
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")

@@ -19,9 +19,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from kempnerforge.data.hf_dataset import PackedTokenStream
-
-#: Draws per generator seed.
-CHUNK = 4096
+from kempnerforge.data.mixture import CHUNK  # draws per generator seed, as the memmap mixture
 
 
 @dataclass
